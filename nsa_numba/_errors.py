@@ -1,0 +1,35 @@
+"""Status codes and the one exception type the library raises for bad input.
+
+The codes are the aclnn ones, so a caller that switches between the NPU and this
+library sees the same numbers.
+"""
+
+ACLNN_SUCCESS = 0
+ACLNN_ERR_PARAM_NULLPTR = 161001
+ACLNN_ERR_PARAM_INVALID = 161002
+ACLNN_ERR_RUNTIME_ERROR = 361001
+ACLNN_ERR_INNER = 561000
+
+
+class NsaError(ValueError):
+    """Invalid argument to an NSA compress operator.
+
+    ``status`` is the aclnn status code the NPU returns for the same input:
+    161001 (``ACLNN_ERR_PARAM_NULLPTR``) for a required tensor that is None,
+    161002 (``ACLNN_ERR_PARAM_INVALID``) for everything else.
+    """
+
+    def __init__(self, message, status=ACLNN_ERR_PARAM_INVALID):
+        super().__init__(message)
+        self.status = int(status)
+
+
+def invalid(op, message):
+    """An NsaError with status 161002, the message prefixed with the operator name."""
+    return NsaError(f"{op}: {message}", ACLNN_ERR_PARAM_INVALID)
+
+
+def missing(op, name):
+    """An NsaError with status 161001 for a required array that is None."""
+    return NsaError(f"{op}: {name} is required but got None (a null tensor)",
+                    ACLNN_ERR_PARAM_NULLPTR)

@@ -1,0 +1,210 @@
+"""The compiled kernels. They take only preallocated arrays and integers.
+
+Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs in
+their storage dtype with any strides, ``wt`` as the weight transposed to ``[N, l]``
+in the accumulator dtype, ``tiles`` as the table from ``_plan.tile_schedule``.
+
+Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
+it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
+N*D elements run at a fraction of the memory bandwidth). A unit writes only the
+output rows its tile owns and its own slot of the partials. All sums run in an
+order fixed by the problem, not by how tiles land on threads:
+
+* out[k]: over the window's tokens in order;
+* input_grad[t]: over the windows covering ``t`` in order;
+* weight_grad[j, n]: per tile, per element over the tile's tokens in order, then
+  over the D elements in order, then (``reduce_weight_grad``) over tiles in order.
+
+The inner loops run over D, so LLVM vectorises them; every stored element is
+converted once, in registers.
+"""
+
+import numpy as np
+from numba import prange
+
+from ._halfprec import narrow, widen
+from ._jit import jit, jit_parallel
+
+# The compile cache is keyed on this file's text only. These digests tie it to
+# the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
+CACHE_DEPENDS = {
+    "_halfprec.py": "4f88f79933c663b4",
+    "_jit.py": "91fc5f6e88a5a702",
+}
+
+# columns of the tile table
+S0, NW, KW0, I0, I1, TOK_LO, TOK_HI = range(7)
+
+
+@jit
+def _decode_row(src, dst):
+    for e in range(dst.shape[0]):
+        dst[e] = widen(src[e])
+
+
+@jit
+def _encode_row(src, dst, like):
+    for e in range(src.shape[0]):
+        dst[e] = narrow(src[e], like)
+
+
+@jit
+def _covering(rel, block, stride, lo, hi):
+    """Numbers of the windows (clipped to lo..hi) that contain sequence position rel."""
+    return max(lo, (rel - block) // stride + 1), min(hi, rel // stride)
+
+
+@jit_parallel
+def compress_forward(x, wt, out, tiles, stride):
+    """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
+
+    A unit is one tile, all heads: it streams the tile's tokens in memory order and
+    keeps the windows open at the current token in a ring of ceil(l / d) slots.
+    """
+    N = x.shape[1]
+    D = x.shape[2]
+    block = wt.shape[1]
+    ring_size = (block + stride - 1) // stride
+    for unit in prange(tiles.shape[0]):
+        tile = np.int64(unit)
+        s0 = tiles[tile, S0]
+        i0 = tiles[tile, I0]
+        i1 = tiles[tile, I1]
+        row0 = tiles[tile, KW0]
+        ring = np.empty((ring_size, N, D), dtype=wt.dtype)
+        xf = np.empty(D, dtype=wt.dtype)
+        for t in range(s0 + i0 * stride, s0 + (i1 - 1) * stride + block):
+            rel = t - s0
+            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
+            if lo > hi:
+                continue  # between windows (d > l): never read
+            if rel == hi * stride:
+                ring[hi % ring_size] = 0  # window hi opens here
+            for n in range(N):
+                xr = x[t, n]
+                ja = rel - lo * stride
+                acc_a = ring[lo % ring_size, n]
+                wa = wt[n, ja]
+                if lo == hi:
+                    for e in range(D):
+                        acc_a[e] += wa * widen(xr[e])
+                elif lo + 1 == hi:  # the common case l <= 2d: one pass for both windows
+                    acc_b = ring[hi % ring_size, n]
+                    wb = wt[n, ja - stride]
+                    for e in range(D):
+                        v = widen(xr[e])
+                        acc_a[e] += wa * v
+                        acc_b[e] += wb * v
+                else:
+                    _decode_row(xr, xf)
+                    for i in range(lo, hi + 1):
+                        acc = ring[i % ring_size, n]
+                        w = wt[n, rel - i * stride]
+                        for e in range(D):
+                            acc[e] += w * xf[e]
+            if rel == lo * stride + block - 1:  # window lo closes here
+                done = ring[lo % ring_size]
+                for n in range(N):
+                    _encode_row(done[n], out[row0 + lo, n], out)
+
+
+@jit_parallel
+def compress_backward(g, x, wt, ig, partials, tiles, stride):
+    """Both gradients in one pass over ``x``; a unit is one tile, all heads.
+
+    ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
+    (0 where no window covers t); partials[tile, n, j] = this tile's share of
+    sum_i dot(g[i, n], x[start_i + j, n]): each element's products are summed over
+    the tile's tokens in order, then the D sums in order.
+
+    Tokens covered by one or two windows (all of them when l <= 2d) take one fused
+    pass over D that reads x once and writes input_grad directly.
+    """
+    N = x.shape[1]
+    D = x.shape[2]
+    block = wt.shape[1]
+    for unit in prange(tiles.shape[0]):
+        tile = np.int64(unit)
+        s0 = tiles[tile, S0]
+        tok_lo = tiles[tile, TOK_LO]
+        tok_hi = tiles[tile, TOK_HI]
+        # the windows (sequence-local numbers first..last) that touch the owned tokens
+        first = max(0, (tok_lo - s0 - block) // stride + 1)
+        last = min(tiles[tile, NW] - 1, (tok_hi - 1 - s0) // stride)
+        g0 = tiles[tile, KW0] + first
+        gf = np.empty((max(0, last - first + 1), N, D), dtype=wt.dtype)
+        for i in range(gf.shape[0]):
+            for n in range(N):
+                _decode_row(g[g0 + i, n], gf[i, n])
+        lanes = np.zeros((block, N, D), dtype=wt.dtype)
+        xf = np.empty(D, dtype=wt.dtype)
+        ia = np.empty(D, dtype=wt.dtype)
+        zero = np.zeros(1, dtype=wt.dtype)[0]  # sums start at +0, as in a zeroed buffer
+        for t in range(tok_lo, tok_hi):
+            rel = t - s0
+            lo, hi = _covering(rel, block, stride, first, last)
+            for n in range(N):
+                xr = x[t, n]
+                orow = ig[t, n]
+                if lo > hi:  # no window covers t
+                    for e in range(D):
+                        orow[e] = narrow(zero, ig)
+                    continue
+                ja = rel - lo * stride
+                wa = wt[n, ja]
+                ga = gf[lo - first, n]
+                la = lanes[ja, n]
+                if lo == hi:
+                    for e in range(D):
+                        v = widen(xr[e])
+                        p = ga[e]
+                        orow[e] = narrow(zero + wa * p, ig)
+                        la[e] += p * v
+                elif lo + 1 == hi:
+                    wb = wt[n, ja - stride]
+                    gb = gf[hi - first, n]
+                    lb = lanes[ja - stride, n]
+                    for e in range(D):
+                        v = widen(xr[e])
+                        p = ga[e]
+                        q = gb[e]
+                        orow[e] = narrow((zero + wa * p) + wb * q, ig)
+                        la[e] += p * v
+                        lb[e] += q * v
+                else:
+                    _decode_row(xr, xf)
+                    for e in range(D):
+                        p = ga[e]
+                        ia[e] = zero + wa * p
+                        la[e] += p * xf[e]
+                    for i in range(lo + 1, hi + 1):
+                        j = rel - i * stride
+                        w = wt[n, j]
+                        gi = gf[i - first, n]
+                        li = lanes[j, n]
+                        for e in range(D):
+                            p = gi[e]
+                            ia[e] += w * p
+                            li[e] += p * xf[e]
+                    _encode_row(ia, orow, ig)
+        for n in range(N):
+            for j in range(block):
+                lj = lanes[j, n]
+                total = zero
+                for e in range(D):
+                    total += lj[e]
+                partials[tile, n, j] = total
+
+
+@jit
+def reduce_weight_grad(partials, wg):
+    """wg[j, n] = sum over tiles, in tile order, of partials[tile, n, j]; uses partials[0]."""
+    n_tiles, N, block = partials.shape
+    for j in range(block):
+        for n in range(N):
+            if n_tiles == 0:
+                wg[j, n] = narrow(partials.dtype.type(0), wg)
+                continue
+            for tile in range(1, n_tiles):
+                partials[0, n, j] += partials[tile, n, j]
+            wg[j, n] = narrow(partials[0, n, j], wg)

@@ -1,0 +1,311 @@
+"""Validation and planning: the one path every entry point goes through.
+
+``plan_forward`` and ``plan_grad`` check every argument, work out the sequence
+geometry and the tile schedule, and return a :class:`Plan`. Nothing is written
+before a plan exists, so a rejected call leaves every output untouched. The Python
+API (``nsa_numba.nsa_compress``...) and the aclnn mirror differ only in the
+:class:`Rules` they pass: parameter names, the dtypes allowed, whether missing
+outputs are allocated, and strictness.
+
+Tiles
+-----
+Windows of each sequence are cut into runs of
+``W = max(1, TILE_ELEMENTS // (d * N * D))`` windows. A tile is one run, all heads;
+the parallel kernels run one tile per iteration. ``W`` depends on the problem only,
+never on the thread count, which is what makes the weight-gradient reduction
+(serial over tiles, in tile order) deterministic.
+
+* forward: a tile owns output rows of its windows;
+* backward: a tile owns the input-gradient rows of the tokens from its first
+  window's start up to the next tile's first window start (the first tile of a
+  sequence from the sequence start, the last up to the sequence end, so tokens no
+  window covers get their zeros too). A sequence with tokens but no window gets one
+  window-less tile for those zeros.
+
+Each tile also owns its float32 weight-gradient partial ``[N, l]`` in the workspace.
+"""
+
+import numbers
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from . import _seqlens
+from ._errors import invalid, missing
+from ._kernels import I0, I1, KW0, NW, S0, TOK_HI, TOK_LO
+
+#: target input elements per tile (all heads): big enough to amortise the window
+#: overlap at tile edges and the per-tile setup, small enough to spread work over
+#: the cores and keep a tile's decoded gradient rows in cache
+TILE_ELEMENTS = 1 << 16
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT16 = np.dtype(np.float16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+
+#: the dtype arrays of each kind are viewed as inside the kernels (see _halfprec)
+STORAGE = {FLOAT16: np.dtype(np.uint16), BFLOAT16: np.dtype(np.int16),
+           FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+#: accumulation dtype: float32, except float64 problems
+ACCUMULATOR = {FLOAT16: FLOAT32, BFLOAT16: FLOAT32, FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+PY_NAMES = {
+    "input": "input", "weight": "weight", "grad": "grad", "out": "out",
+    "input_grad": "input_grad", "weight_grad": "weight_grad",
+    "block": "compress_block_size", "stride": "compress_stride",
+    "actual_seq_len": "actual_seq_len", "actual_seq_len_type": "actual_seq_len_type",
+    "layout": "layout",
+}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What differs between entry points; the checks themselves do not."""
+    op: str
+    names: dict = field(default_factory=lambda: dict(PY_NAMES))
+    dtypes: tuple = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+    strict: bool = True
+    allocate_outputs: bool = True   # False: a None output is an error (161001)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated problem, ready to run.
+
+    ``arrays`` maps role names (``input``, ``weight``, ``grad``, ``out``,
+    ``input_grad``, ``weight_grad``) to the caller's arrays; ``storage(role)`` gives
+    the view the kernels take.
+    """
+    op: str
+    dtype: np.dtype
+    T: int
+    N: int
+    D: int
+    block: int
+    stride: int
+    seq_offsets: np.ndarray        # [B + 1] token offsets
+    window_offsets: np.ndarray     # [B + 1] output-row offsets; last = T'
+    tiles: np.ndarray              # [n_tiles, 7] int64, columns S0 ... TOK_HI
+    workspace_bytes: int
+    arrays: dict
+
+    @property
+    def n_windows(self):
+        return int(self.window_offsets[-1])
+
+    @property
+    def accumulator(self):
+        return ACCUMULATOR[self.dtype]
+
+    def storage(self, role):
+        return self.arrays[role].view(STORAGE[self.dtype])
+
+
+# -- argument checks -------------------------------------------------------------
+
+def _check_int(rules, key, value):
+    name = rules.names[key]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise invalid(rules.op, f"{name} must be an integer, got {value!r} "
+                                f"({type(value).__name__})")
+    value = int(value)
+    if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise invalid(rules.op, f"{name} must fit in int64, got {value}")
+    return value
+
+
+def _check_array(rules, key, a, ndim, dims):
+    name = rules.names[key]
+    if a is None:
+        raise missing(rules.op, name)
+    if not isinstance(a, np.ndarray):
+        raise invalid(rules.op, f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise invalid(rules.op, f"{name} must be {ndim}-D {dims}, got {a.ndim}-D array "
+                                f"of shape {a.shape}")
+    if a.dtype not in rules.dtypes:
+        allowed = ", ".join(str(t) for t in rules.dtypes)
+        raise invalid(rules.op, f"{name} dtype must be one of {allowed}, got {a.dtype}")
+    if rules.strict and a.size == 0:
+        raise invalid(rules.op, f"{name} must not be empty, got shape {a.shape}")
+    return a
+
+
+def _check_same_dtype(rules, dtype, key, a):
+    if a.dtype != dtype:
+        raise invalid(rules.op, f"{rules.names[key]} dtype must equal "
+                                f"{rules.names['input']} dtype {dtype}, got {a.dtype}")
+
+
+def _check_output(rules, key, a, shape, dtype, dims):
+    """A caller-provided output, or a new one when the rules allow allocation."""
+    if a is None and rules.allocate_outputs:
+        return np.empty(shape, dtype=dtype)
+    _check_array(rules, key, a, len(shape), dims)
+    name = rules.names[key]
+    if a.shape != tuple(shape):
+        raise invalid(rules.op, f"{name} must have shape {tuple(shape)}, got {a.shape}")
+    _check_same_dtype(rules, dtype, key, a)
+    if not a.flags.writeable:
+        raise invalid(rules.op, f"{name} must be writable, got a read-only array")
+    return a
+
+
+def _check_window(rules, block, stride, forward):
+    lname, dname = rules.names["block"], rules.names["stride"]
+    block = _check_int(rules, "block", block)
+    stride = _check_int(rules, "stride", stride)
+    if rules.strict:
+        for name, value in ((lname, block), (dname, stride)):
+            if value <= 0 or value % 16:
+                raise invalid(rules.op, f"{name} must be a positive multiple of 16, "
+                                        f"got {value}")
+        if forward and block < stride:
+            raise invalid(rules.op, f"{lname} must be >= {dname}, got {lname}={block} "
+                                    f"and {dname}={stride}")
+        if not forward and block <= stride:
+            raise invalid(rules.op, f"{lname} must be > {dname}, got {lname}={block} "
+                                    f"and {dname}={stride}")
+    else:
+        for name, value in ((lname, block), (dname, stride)):
+            if value < 1:
+                raise invalid(rules.op, f"{name} must be >= 1, got {value}")
+    return block, stride
+
+
+def _check_layout(rules, layout):
+    name = rules.names["layout"]
+    if layout is None:
+        return "TND"
+    if not isinstance(layout, str):
+        raise invalid(rules.op, f"{name} must be a string or None, got {layout!r} "
+                                f"({type(layout).__name__})")
+    if layout != "TND":
+        raise invalid(rules.op, f"{name} must be 'TND' (or None, meaning TND), "
+                                f"got {layout!r}")
+    return layout
+
+
+def _check_seq_type(rules, seq_type):
+    value = _check_int(rules, "actual_seq_len_type", seq_type)
+    if value not in (_seqlens.CUMULATIVE, _seqlens.LENGTHS):
+        raise invalid(rules.op, f"{rules.names['actual_seq_len_type']} must be 0 "
+                                f"(cumulative ends) or 1 (per-sequence lengths), got {value}")
+    return value
+
+
+def _check_present(rules, **arrays):
+    """161001 for the first required array that is None, before any other check."""
+    for key, a in arrays.items():
+        if a is None:
+            raise missing(rules.op, rules.names[key])
+
+
+def _check_input_and_weight(rules, x, weight, block):
+    x = _check_array(rules, "input", x, 3, "[T, N, D]")
+    weight = _check_array(rules, "weight", weight, 2, "[compress_block_size, N]")
+    _check_same_dtype(rules, x.dtype, "weight", weight)
+    T, N, D = x.shape
+    if rules.strict and D % 16:
+        raise invalid(rules.op, f"{rules.names['input']} head dim D = shape[2] must be a "
+                                f"multiple of 16, got {D}")
+    if weight.shape != (block, N):
+        raise invalid(rules.op, f"{rules.names['weight']} must have shape "
+                                f"({rules.names['block']}, N) = ({block}, {N}), "
+                                f"got {weight.shape}")
+    return x, weight
+
+
+def _geometry(rules, T, block, stride, actual_seq_len, seq_type):
+    offsets = _seqlens.sequence_offsets(rules.op, actual_seq_len, seq_type, T, rules.names)
+    counts = _seqlens.window_counts(np.diff(offsets), block, stride)
+    win_offsets = _seqlens.window_offsets(counts)
+    if rules.strict and win_offsets[-1] == 0:
+        raise invalid(rules.op, f"no sequence is as long as {rules.names['block']} = "
+                                f"{block}, so there is no window (T' = 0); sequence "
+                                f"lengths {_seqlens._show(np.diff(offsets))}")
+    return offsets, win_offsets
+
+
+# -- tile schedule ---------------------------------------------------------------
+
+def windows_per_tile(stride, N, D):
+    return max(1, TILE_ELEMENTS // max(1, stride * N * D))
+
+
+def tile_schedule(seq_offsets, win_offsets, stride, N, D):
+    """The ``[n_tiles, 7]`` tile table described in the module docstring."""
+    starts = seq_offsets[:-1]
+    lengths = np.diff(seq_offsets)
+    counts = np.diff(win_offsets)
+    per_tile = windows_per_tile(stride, N, D)
+    n_tiles = np.where(counts > 0, -(-counts // per_tile), (lengths > 0).astype(np.int64))
+    seq = np.repeat(np.arange(starts.size), n_tiles)
+    first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1]))
+    c = np.arange(seq.size, dtype=np.int64) - np.repeat(first_tile, n_tiles)
+    tiles = np.empty((seq.size, 7), dtype=np.int64)
+    s0, nw = starts[seq], counts[seq]
+    tiles[:, S0] = s0
+    tiles[:, NW] = nw
+    tiles[:, KW0] = win_offsets[:-1][seq]
+    tiles[:, I0] = np.minimum(c * per_tile, nw)
+    tiles[:, I1] = np.minimum(tiles[:, I0] + per_tile, nw)
+    tiles[:, TOK_LO] = np.where(c == 0, s0, s0 + tiles[:, I0] * stride)
+    last = c == n_tiles[seq] - 1
+    tiles[:, TOK_HI] = np.where(last, s0 + lengths[seq], s0 + tiles[:, I1] * stride)
+    return tiles
+
+
+def grad_workspace_bytes(n_tiles, N, block, accumulator):
+    """Bytes of the weight-gradient partials: one ``[N, l]`` block per tile."""
+    return int(n_tiles) * int(N) * int(block) * np.dtype(accumulator).itemsize
+
+
+# -- the two planners ------------------------------------------------------------
+
+def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layout, out):
+    _check_present(rules, input=x, weight=weight,
+                   **({} if rules.allocate_outputs else {"out": out}))
+    block, stride = _check_window(rules, block, stride, forward=True)
+    x, weight = _check_input_and_weight(rules, x, weight, block)
+    _check_layout(rules, layout)
+    seq_type = _check_seq_type(rules, seq_type)
+    T, N, D = x.shape
+    offsets, win_offsets = _geometry(rules, T, block, stride, actual_seq_len, seq_type)
+    out = _check_output(rules, "out", out, (int(win_offsets[-1]), N, D), x.dtype,
+                        "[T', N, D]")
+    tiles = tile_schedule(offsets, win_offsets, stride, N, D)
+    return Plan("forward", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles, 0,
+                {"input": x, "weight": weight, "out": out})
+
+
+def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, layout,
+              input_grad, weight_grad):
+    outputs = {} if rules.allocate_outputs else {"input_grad": input_grad,
+                                                  "weight_grad": weight_grad}
+    _check_present(rules, grad=grad, input=x, weight=weight, **outputs)
+    block, stride = _check_window(rules, block, stride, forward=False)
+    grad = _check_array(rules, "grad", grad, 3, "[T', N, D]")
+    x, weight = _check_input_and_weight(rules, x, weight, block)
+    _check_same_dtype(rules, x.dtype, "grad", grad)
+    _check_layout(rules, layout)
+    seq_type = _check_seq_type(rules, seq_type)
+    T, N, D = x.shape
+    offsets, win_offsets = _geometry(rules, T, block, stride, actual_seq_len, seq_type)
+    expected = (int(win_offsets[-1]), N, D)
+    if grad.shape != expected:
+        raise invalid(rules.op, f"{rules.names['grad']} must have shape [T', N, D] = "
+                                f"{expected} (T' = number of windows), got {grad.shape}")
+    input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype, "[T, N, D]")
+    weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
+                                "[compress_block_size, N]")
+    tiles = tile_schedule(offsets, win_offsets, stride, N, D)
+    workspace = grad_workspace_bytes(tiles.shape[0], N, block, ACCUMULATOR[x.dtype])
+    return Plan("grad", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
+                workspace, {"grad": grad, "input": x, "weight": weight,
+                            "input_grad": input_grad, "weight_grad": weight_grad})

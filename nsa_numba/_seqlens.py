@@ -1,0 +1,98 @@
+"""TND variable-length sequences: offsets, window counts and window starts.
+
+Tokens of all sequences are packed back to back along T. Sequence ``b`` occupies
+tokens ``offsets[b]:offsets[b + 1]`` (the CSR idiom). A sequence of length ``L``
+yields ``max(0, (L - l) // d + 1)`` windows; window ``i`` of sequence ``b`` starts at
+token ``offsets[b] + i * d`` and is output row ``window_offsets[b] + i``.
+"""
+
+import numbers
+
+import numpy as np
+
+from ._errors import invalid
+
+CUMULATIVE = 0   # actual_seq_len holds the running ends of the sequences
+LENGTHS = 1      # actual_seq_len holds one length per sequence
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _show(values, limit=8):
+    """A short text of a possibly long list for error messages."""
+    values = np.asarray(values).tolist()
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)} values)"
+
+
+def _as_int_vector(op, name, values):
+    """The list / tuple / 1-D integer array ``values`` as int64, or NsaError."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise invalid(op, f"{name} must be 1-D, got an array of shape {values.shape}")
+        if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.integer):
+            raise invalid(op, f"{name} must hold integers, got dtype {values.dtype}")
+        if values.dtype == np.uint64 and values.size and values.max() > _INT64_MAX:
+            raise invalid(op, f"{name} values must fit in int64, got {int(values.max())}")
+        return values.astype(np.int64)
+    if not isinstance(values, (list, tuple)):
+        raise invalid(op, f"{name} must be None, a list, a tuple or a 1-D integer array, "
+                          f"got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise invalid(op, f"{name}[{i}] must be an integer, got {v!r} "
+                              f"({type(v).__name__})")
+        if not -_INT64_MAX - 1 <= int(v) <= _INT64_MAX:
+            raise invalid(op, f"{name}[{i}] must fit in int64, got {int(v)}")
+    return np.array([int(v) for v in values], dtype=np.int64)
+
+
+def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
+    """Token offsets ``[0, end_0, end_1, ..., T]`` of the packed sequences.
+
+    ``names`` maps ``"actual_seq_len"`` and ``"actual_seq_len_type"`` to the
+    parameter names of the calling API, for the messages.
+    """
+    name, type_name = names["actual_seq_len"], names["actual_seq_len_type"]
+    if actual_seq_len is None:
+        return np.array([0, total_tokens], dtype=np.int64)
+    values = _as_int_vector(op, name, actual_seq_len)
+    if values.size == 0:
+        raise invalid(op, f"{name} must hold at least one value, got an empty list")
+    if values.min() < 0:
+        bad = int(np.argmax(values < 0))
+        raise invalid(op, f"{name} values must be >= 0, got {int(values[bad])} at index {bad}")
+    if seq_len_type == CUMULATIVE:
+        ends = values
+        drops = np.flatnonzero(np.diff(ends) < 0)
+        if drops.size:
+            i = int(drops[0]) + 1
+            raise invalid(op, f"{name} ({type_name}=0: cumulative ends) must be "
+                              f"non-decreasing, got {int(ends[i])} at index {i} after "
+                              f"{int(ends[i - 1])}: {_show(ends)}")
+        if ends[-1] != total_tokens:
+            raise invalid(op, f"{name} ({type_name}=0: cumulative ends) must end at "
+                              f"T = {total_tokens} (input.shape[0]), got last value "
+                              f"{int(ends[-1])}: {_show(ends)}")
+    else:
+        too_long = np.flatnonzero(values > total_tokens)
+        total = None if too_long.size else int(values.sum())  # no overflow: each <= T
+        if total != total_tokens:
+            shown = "more" if total is None else total
+            raise invalid(op, f"{name} ({type_name}=1: per-sequence lengths) must sum "
+                              f"to T = {total_tokens} (input.shape[0]), got {shown}: "
+                              f"{_show(values)}")
+        ends = np.cumsum(values)
+    return np.concatenate(([0], ends)).astype(np.int64)
+
+
+def window_counts(lengths, block, stride):
+    """Windows per sequence: ``(L - l) // d + 1`` for ``L >= l``, else 0."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.where(lengths >= block, (lengths - block) // stride + 1, 0).astype(np.int64)
+
+
+def window_offsets(counts):
+    """Output row of each sequence's first window, plus the total ``T'`` at the end."""
+    return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)

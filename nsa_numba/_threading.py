@@ -1,0 +1,84 @@
+"""Choice of Numba's threading layer.
+
+The layer must stay correct when the library is called from several Python threads
+at once and inside processes forked after a call (data-loader workers):
+
+* ``tbb`` is safe for both. The PyPI ``tbb`` wheel (a dependency on x86-64 Linux)
+  installs ``libtbb.so.12`` into ``<prefix>/lib``, which the dynamic loader does not
+  search, so we load it from there by absolute path first; Numba's tbb pool then
+  links against the already loaded library.
+* ``omp`` (GNU OpenMP) is thread-safe but aborts in a forked child.
+* ``workqueue`` aborts when two threads launch kernels at once; if that is the only
+  layer available, every launch goes through one lock (:func:`launch`).
+
+Nothing is changed when the user chose a layer (``NUMBA_THREADING_LAYER``) or when
+Numba's layer is already running.
+"""
+
+import ctypes
+import os
+import sys
+import threading
+
+import numba
+from numba.np.ufunc import parallel as _nb_parallel
+
+_TBB_MIN_INTERFACE = 12060  # the oldest TBB interface Numba accepts
+_launch_lock = threading.Lock()
+_preloaded_tbb = None
+
+
+def _tbb_candidates():
+    names = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        for sub in ("lib", os.path.join("Library", "bin")):
+            for name in names:
+                path = os.path.join(prefix, sub, name)
+                if os.path.exists(path):
+                    yield path
+    yield from names  # whatever the system loader finds
+
+
+def _preload_tbb():
+    """Load a usable libtbb globally; return its path or None."""
+    for candidate in _tbb_candidates():
+        try:
+            lib = ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+            version = lib.TBB_runtime_interface_version
+        except (OSError, AttributeError):
+            continue
+        version.restype = ctypes.c_int
+        if version() >= _TBB_MIN_INTERFACE:
+            return candidate
+    return None
+
+
+def configure():
+    """Prefer tbb when nobody has chosen a layer yet. Called once at import."""
+    global _preloaded_tbb
+    if os.environ.get("NUMBA_THREADING_LAYER") or _nb_parallel._is_initialized:
+        return
+    _preloaded_tbb = _preload_tbb()
+    if _preloaded_tbb is not None:
+        numba.config.THREADING_LAYER = "tbb"
+
+
+def layer():
+    """The active layer's name, or None before the first parallel launch."""
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        return None
+
+
+def launch(kernel, *args):
+    """Run a parallel kernel; serialised only when the layer is workqueue (or unknown)."""
+    if layer() in ("tbb", "omp"):
+        return kernel(*args)
+    with _launch_lock:
+        return kernel(*args)
+
+
+def tbb_library():
+    """Path of the libtbb that :func:`configure` loaded, if any."""
+    return _preloaded_tbb

@@ -1,0 +1,74 @@
+"""The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress``."""
+
+from . import _dispatch
+from ._plan import Rules, plan_forward, plan_grad
+
+
+def nsa_compress(input, weight, compress_block_size, compress_stride, *,
+                 actual_seq_len=None, actual_seq_len_type=0, layout="TND", out=None,
+                 strict=True):
+    """Weighted sliding-window compression of packed sequences (``aclnnNsaCompress``).
+
+    ``out[k, n, :] = sum_j weight[j, n] * input[start(k) + j, n, :]`` over the
+    windows ``k`` of every sequence, in sequence order.
+
+    Parameters
+    ----------
+    input : ndarray [T, N, D]
+        float16, ml_dtypes.bfloat16, float32 or float64; any strides.
+    weight : ndarray [l, N]
+        same dtype as ``input``.
+    compress_block_size, compress_stride : int
+        window length ``l`` and step ``d``.
+    actual_seq_len : None, list, tuple or 1-D integer array
+        None: all of T is one sequence. Otherwise see ``actual_seq_len_type``.
+    actual_seq_len_type : int
+        0: cumulative ends (``[0, 128, 272]`` = lengths 0, 128, 144; last == T);
+        1: one length per sequence (sum == T).
+    layout : str or None
+        "TND" (None means TND).
+    out : ndarray [T', N, D], optional
+        written in place (any strides) and returned.
+    strict : bool
+        True: the NPU's documented constraints (multiples of 16, ``l >= d``, no
+        empty tensors...). False: only what the maths needs.
+
+    Returns
+    -------
+    ndarray [T', N, D] of ``input``'s dtype, T' = total number of windows.
+
+    Raises
+    ------
+    NsaError
+        (a ValueError) with ``.status`` 161001 for a required array that is None,
+        161002 for any other invalid argument. Nothing is written then.
+    """
+    plan = plan_forward(Rules("nsa_compress", strict=strict), input, weight,
+                        compress_block_size, compress_stride, actual_seq_len,
+                        actual_seq_len_type, layout, out)
+    _dispatch.run(plan)
+    return plan.arrays["out"]
+
+
+def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
+                      actual_seq_len=None, actual_seq_len_type=0, layout="TND",
+                      input_grad=None, weight_grad=None, strict=True):
+    """Gradients of :func:`nsa_compress` (``aclnnNsaCompressGrad``).
+
+    ``input_grad[t, n, :] = sum over windows k covering t of
+    weight[t - start(k), n] * grad[k, n, :]`` (0 for tokens no window covers);
+    ``weight_grad[j, n] = sum_k dot(grad[k, n, :], input[start(k) + j, n, :])``.
+
+    ``grad`` is ``[T', N, D]``; the other parameters are those of
+    :func:`nsa_compress`, except that strict mode requires ``l > d`` (the NPU's
+    rule for this operator). ``input_grad`` ([T, N, D]) and ``weight_grad``
+    ([l, N]) may be given to be written in place.
+
+    Returns ``(input_grad, weight_grad)`` in ``input``'s dtype. Deterministic:
+    bitwise identical results for any thread count.
+    """
+    plan = plan_grad(Rules("nsa_compress_grad", strict=strict), grad, input, weight,
+                     compress_block_size, compress_stride, actual_seq_len,
+                     actual_seq_len_type, layout, input_grad, weight_grad)
+    _dispatch.run(plan)
+    return plan.arrays["input_grad"], plan.arrays["weight_grad"]

@@ -1,0 +1,58 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nsa_numba import reference as ref
+
+HALF_DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+DTYPES = HALF_DTYPES + [np.dtype(np.float32), np.dtype(np.float64)]
+DTYPE_IDS = [str(t) for t in DTYPES]
+
+
+@pytest.fixture(params=DTYPES, ids=DTYPE_IDS)
+def dtype(request):
+    return request.param
+
+
+def random_problem(T, N, D, block, stride, seq, dtype, seq_type=0, seed=0):
+    """Random input, weight and output gradient for a problem, in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    n_windows = ref.window_starts(T, block, stride, seq, seq_type).size
+    x = rng.standard_normal((T, N, D)).astype(dtype)
+    w = rng.standard_normal((block, N)).astype(dtype)
+    g = rng.standard_normal((n_windows, N, D)).astype(dtype)
+    return x, w, g
+
+
+def accumulator(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def n_sequences(T, seq):
+    return 1 if seq is None else len(seq)
+
+
+def assert_forward_accurate(out, x, w, block, stride, seq, seq_type=0):
+    exact = ref.compress(x, w, block, stride, seq, seq_type)
+    assert out.shape == exact.shape
+    assert out.dtype == x.dtype
+    depth, _, _ = ref.depths(out.shape[0], x.shape[2], block, stride,
+                             n_sequences(x.shape[0], seq))
+    report = ref.check_accuracy(out, exact, ref.abs_terms_forward(x, w, block, stride, seq,
+                                                                  seq_type),
+                                x.dtype, depth, accumulator(x.dtype))
+    assert report["ok"], report
+
+
+def assert_grad_accurate(dx, dw, g, x, w, block, stride, seq, seq_type=0):
+    exact_dx, exact_dw = ref.compress_grad(g, x, w, block, stride, seq, seq_type)
+    abs_dx, abs_dw = ref.abs_terms_grad(g, x, w, block, stride, seq, seq_type)
+    assert dx.shape == x.shape and dw.shape == w.shape
+    assert dx.dtype == x.dtype and dw.dtype == x.dtype
+    _, d_ig, d_wg = ref.depths(g.shape[0], x.shape[2], block, stride,
+                               n_sequences(x.shape[0], seq))
+    acc = accumulator(x.dtype)
+    report = ref.check_accuracy(dx, exact_dx, abs_dx, x.dtype, d_ig, acc)
+    assert report["ok"], ("input_grad", report)
+    report = ref.check_accuracy(dw, exact_dw, abs_dw, x.dtype, d_wg, acc)
+    assert report["ok"], ("weight_grad", report)

@@ -1,0 +1,19 @@
+"""Numba keys the disk cache of _kernels.py on that file's text only.
+
+The kernels inline code from _halfprec.py and take their flags from _jit.py, so
+_kernels.CACHE_DEPENDS records digests of both: editing either without updating
+the digest here would let a stale compiled kernel be loaded.
+"""
+
+import hashlib
+import pathlib
+
+from nsa_numba import _kernels
+
+
+def test_cache_dependencies_are_current():
+    here = pathlib.Path(_kernels.__file__).parent
+    for name, digest in _kernels.CACHE_DEPENDS.items():
+        actual = hashlib.sha256((here / name).read_bytes()).hexdigest()[:16]
+        assert actual == digest, (
+            f"{name} changed: set CACHE_DEPENDS[{name!r}] = {actual!r} in _kernels.py")

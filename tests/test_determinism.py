@@ -1,0 +1,86 @@
+"""Bitwise-identical results for any thread count, repeated calls and concurrent callers."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import nsa_numba
+from conftest import DTYPE_IDS, DTYPES, random_problem
+
+# several sequences, several tiles per sequence, tokens covered by 1 to 4 windows
+PROBLEM = dict(T=6000, N=3, D=64, block=64, stride=16, seq=[0, 1000, 1001, 4000, 6000])
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys
+    import numpy as np, ml_dtypes, numba
+    import nsa_numba
+    sys.path.insert(0, {tests!r})
+    from conftest import random_problem
+    p = json.loads({problem!r})
+    out = {{}}
+    for name in {dtypes!r}:
+        dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+        x, w, g = random_problem(p["T"], p["N"], p["D"], p["block"], p["stride"], p["seq"], dtype)
+        y = nsa_numba.nsa_compress(x, w, p["block"], p["stride"], actual_seq_len=p["seq"])
+        dx, dw = nsa_numba.nsa_compress_grad(g, x, w, p["block"], p["stride"],
+                                             actual_seq_len=p["seq"])
+        out[name] = [hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)]
+    out["threads"] = numba.get_num_threads()
+    out["layer"] = numba.threading_layer()
+    print(json.dumps(out))
+""")
+
+
+def _digests(x, w, g):
+    p = PROBLEM
+    y = nsa_numba.nsa_compress(x, w, p["block"], p["stride"], actual_seq_len=p["seq"])
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, p["block"], p["stride"],
+                                         actual_seq_len=p["seq"])
+    return [hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)]
+
+
+def run_in_subprocess(env_extra, dtypes=DTYPE_IDS):
+    env = dict(os.environ, **env_extra)
+    code = SCRIPT.format(tests=os.path.dirname(__file__), problem=json.dumps(PROBLEM),
+                         dtypes=list(dtypes))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_same_bits_for_every_thread_count():
+    here = {}
+    for dtype, name in zip(DTYPES, DTYPE_IDS):
+        here[name] = _digests(*random_problem(**{k: v for k, v in PROBLEM.items()},
+                                              dtype=dtype))
+    for threads in (1, 2, 3, 8):
+        got = run_in_subprocess({"NUMBA_NUM_THREADS": str(threads)})
+        assert got["threads"] == threads
+        for name in DTYPE_IDS:
+            assert got[name] == here[name], (name, threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_repeated_calls_give_same_bits(dtype):
+    data = random_problem(**PROBLEM, dtype=dtype)
+    first = _digests(*data)
+    for _ in range(3):
+        assert _digests(*data) == first
+
+
+def test_concurrent_python_threads():
+    problems = [random_problem(**PROBLEM, dtype=dtype, seed=s)
+                for s, dtype in enumerate(DTYPES * 2)]
+    expected = [_digests(*p) for p in problems]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda p: _digests(*p), problems))
+            assert got == expected

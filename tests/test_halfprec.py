@@ -1,0 +1,172 @@
+"""The per-element conversions, exhaustively where the input space allows."""
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nsa_numba import _halfprec as hp
+from nsa_numba._jit import jit
+
+ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+@jit
+def _map_decode_portable(a, o):
+    for i in range(a.size):
+        o[i] = hp.f16_to_f32_portable(a[i])
+
+
+@jit
+def _map_encode_portable(a, o):
+    for i in range(a.size):
+        o[i] = hp.f32_to_f16_portable(a[i])
+
+
+@jit
+def _map_decode_hw(a, o):
+    for i in range(a.size):
+        o[i] = hp.f16_to_f32_hw(a[i])
+
+
+@jit
+def _map_encode_hw(a, o):
+    for i in range(a.size):
+        o[i] = hp.f32_to_f16_hw(a[i])
+
+
+@jit
+def _map_widen(a, o):
+    for i in range(a.size):
+        o[i] = hp.widen(a[i])
+
+
+@jit
+def _map_narrow(a, o):
+    for i in range(a.size):
+        o[i] = hp.narrow(a[i], o)
+
+
+def _float32_probes():
+    """Random bit patterns plus every float16 / bfloat16 rounding boundary and neighbour."""
+    rng = np.random.default_rng(0)
+    probes = [rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+              .view(np.float32)]
+    with np.errstate(invalid="ignore"):
+        halves = [ALL16.view(np.float16).astype(np.float64),
+                  ALL16.view(ml_dtypes.bfloat16).astype(np.float64)]
+    for values in halves:
+        v = np.unique(values[np.isfinite(values)])
+        mids = ((v[1:] + v[:-1]) / 2).astype(np.float32)   # exact in float32
+        probes += [mids, np.nextafter(mids, np.float32(np.inf)),
+                   np.nextafter(mids, np.float32(-np.inf)), v.astype(np.float32)]
+    probes.append(np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 1e-8,
+                            -1e-8, 3.0e38, np.nan, -np.nan], np.float32))
+    return np.concatenate(probes)
+
+
+F32 = _float32_probes()
+NAN = np.isnan(F32)
+
+
+def _decode(fn, bits):
+    out = np.empty(bits.size, np.float32)
+    fn(bits, out)
+    return out
+
+
+def _encode(fn, values, storage=np.uint16):
+    out = np.empty(values.size, storage)
+    fn(values, out)
+    return out
+
+
+def test_f16_decode_portable_is_exact_for_every_value():
+    got = _decode(_map_decode_portable, ALL16)
+    want = ALL16.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    # NaN keeps sign and payload and comes out quiet
+    g = got.view(np.uint32)[nan]
+    w = want.view(np.uint32)[nan]
+    assert np.all(np.isnan(got[nan]))
+    assert np.array_equal(g, w | 0x00400000)
+
+
+def test_f16_encode_portable_rounds_like_numpy():
+    got = _encode(_map_encode_portable, F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = F32.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got[~NAN], want[~NAN])
+    assert np.all(np.isnan(got[NAN].view(np.float16)))
+    # quiet, sign and leading payload bits kept (numpy leaves signalling NaNs signalling)
+    bits = F32.view(np.uint32)[NAN]
+    expected = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+    assert np.array_equal(got[NAN], expected.astype(np.uint16))
+
+
+@pytest.mark.skipif(not hp.HAVE_F16C, reason="the CPU has no F16C")
+def test_f16c_path_equals_portable_path_bit_for_bit():
+    assert np.array_equal(_decode(_map_decode_hw, ALL16).view(np.uint32),
+                          _decode(_map_decode_portable, ALL16).view(np.uint32))
+    assert np.array_equal(_encode(_map_encode_hw, F32), _encode(_map_encode_portable, F32))
+
+
+def test_bfloat16_decode_and_encode():
+    b = ALL16.view(np.int16)
+    got = _decode(_map_widen, b)
+    assert np.array_equal(got.view(np.uint32), ALL16.astype(np.uint32) << 16)
+    enc = _encode(_map_narrow, F32, np.int16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = F32.astype(ml_dtypes.bfloat16).view(np.int16)
+    assert np.array_equal(enc[~NAN], want[~NAN])
+    bits = F32.view(np.uint32)[NAN]
+    assert np.array_equal(enc[NAN].view(np.uint16), ((bits >> 16) | 0x40).astype(np.uint16))
+
+
+def test_widen_and_narrow_dispatch_on_storage_type():
+    assert np.array_equal(_decode(_map_widen, ALL16).view(np.uint32)[:0x7C00],
+                          ALL16[:0x7C00].view(np.float16).astype(np.float32).view(np.uint32))
+    values = np.array([1.5, -2.25, 1e-3], np.float32)
+    assert np.array_equal(_encode(_map_narrow, values, np.uint16),
+                          values.astype(np.float16).view(np.uint16))
+    out = np.empty(3, np.float32)
+    _map_narrow(values.astype(np.float64), out)
+    assert np.array_equal(out, values)
+
+
+PORTABLE_SCRIPT = """
+import hashlib, sys
+import numpy as np, ml_dtypes
+from nsa_numba import _halfprec
+import nsa_numba
+sys.path.insert(0, {tests!r})
+from conftest import random_problem
+print(_halfprec.HAVE_F16C)
+x, w, g = random_problem(700, 3, 48, 48, 16, [0, 300, 700], np.float16, seed=5)
+y = nsa_numba.nsa_compress(x, w, 48, 16, actual_seq_len=[0, 300, 700])
+dx, dw = nsa_numba.nsa_compress_grad(g, x, w, 48, 16, actual_seq_len=[0, 300, 700])
+print(*[hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)])
+"""
+
+
+def _run_kernels(env_extra):
+    env = dict(os.environ, **env_extra)
+    code = PORTABLE_SCRIPT.format(tests=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("\n")[:2]
+
+
+def test_kernels_on_a_cpu_without_f16c_match():
+    # NUMBA_CPU_NAME=generic compiles for a baseline x86-64 (no F16C, no AVX): the
+    # portable float16 code must run there and give the same bits.
+    generic = _run_kernels({"NUMBA_CPU_NAME": "generic"})
+    native = _run_kernels({})
+    assert generic[0] == "False"
+    assert native[0] == str(hp.HAVE_F16C)
+    assert generic[1] == native[1]

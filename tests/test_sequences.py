@@ -1,0 +1,80 @@
+"""Variable-length sequence handling (TND): offsets, short sequences, tails, seq-len types."""
+
+import numpy as np
+import pytest
+
+import nsa_numba
+from nsa_numba import reference as ref
+from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
+
+L, S = 32, 16
+
+
+@pytest.mark.parametrize("lengths", [
+    [0, 0, 100, 0],           # empty sequences, leading and trailing
+    [1, 31, 32, 33, 47, 48],  # shorter than, equal to and just past the window
+    [5, 200],                 # the torch_npu grad test: a sequence with no window
+    [31, 300, 1],
+], ids=["empty", "window-edges", "no-window-seq", "short-ends"])
+def test_short_and_empty_sequences(lengths, dtype):
+    seq = np.cumsum(lengths).tolist()
+    T = seq[-1]
+    x, w, g = random_problem(T, 4, 32, L, S, seq, dtype)
+    out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq)
+    assert_forward_accurate(out, x, w, L, S, seq)
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq)
+    assert_grad_accurate(dx, dw, g, x, w, L, S, seq)
+
+
+def test_lengths_type_equals_cumulative_type(dtype):
+    lengths = [0, 130, 7, 200, 40]
+    ends = np.cumsum(lengths).tolist()
+    x, w, g = random_problem(ends[-1], 3, 32, L, S, ends, dtype, seed=3)
+    a = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=ends, actual_seq_len_type=0)
+    b = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=lengths, actual_seq_len_type=1)
+    assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    ga = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=ends)
+    gb = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=np.array(lengths),
+                                     actual_seq_len_type=1)
+    for u, v in zip(ga, gb):
+        assert np.array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+def test_none_means_one_sequence(dtype):
+    x, w, g = random_problem(300, 2, 16, L, S, None, dtype)
+    a = nsa_numba.nsa_compress(x, w, L, S)
+    b = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=[300])
+    c = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=(0, 300))
+    assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert np.array_equal(a.view(np.uint8), c.view(np.uint8))
+
+
+def test_uncovered_tail_gets_zero_gradient_and_is_never_read(dtype):
+    # lengths 100 and 90: windows end at 96 and 80 (+100), leaving tails of 4 and 10
+    seq = [100, 190]
+    x, w, g = random_problem(190, 3, 16, L, S, seq, dtype)
+    tails = np.r_[96:100, 180:190]
+    x[tails] = np.nan  # a read would poison the results
+    out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq)
+    assert not np.isnan(out.astype(np.float64)).any()
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq)
+    assert not np.isnan(dw.astype(np.float64)).any()
+    assert np.all(dx[tails].astype(np.float64) == 0)
+    assert not np.signbit(dx[tails].astype(np.float64)).any()   # +0, as from a zeroed buffer
+    x[tails] = 0
+    assert_forward_accurate(out, x, w, L, S, seq)
+    assert_grad_accurate(dx, dw, g, x, w, L, S, seq)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_propagate(bad, dtype):
+    seq = [0, 64, 128]
+    x, w, g = random_problem(128, 2, 16, L, S, seq, dtype)
+    x[90, 1, 3] = bad          # in windows [64, 96) and [80, 112) of the 2nd sequence
+    out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq).astype(np.float64)
+    exact = ref.compress(x, w, L, S, seq)
+    hit = ~np.isfinite(exact)
+    assert hit.sum() == 2      # the two windows' element (head 1, d 3), nothing else
+    assert np.array_equal(np.isnan(out), np.isnan(exact))
+    assert np.array_equal(out[np.isinf(exact)], exact[np.isinf(exact)])
+    assert np.isfinite(out[~hit]).all()

@@ -1,0 +1,100 @@
+"""Non-contiguous inputs and outputs: any strides in, exactly the given elements out."""
+
+import numpy as np
+import pytest
+
+import nsa_numba
+from conftest import random_problem
+
+L, S = 32, 16
+SEQ = [0, 100, 260]
+
+
+def _same_bits(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(f"u{a.itemsize}"),
+                                                 b.view(f"u{b.itemsize}"))
+
+
+def _contiguous_results(dtype):
+    x, w, g = random_problem(260, 4, 32, L, S, SEQ, dtype, seed=11)
+    out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ)
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    return x, w, g, out, dx, dw
+
+
+VIEWS = {
+    "every-other-d": lambda a, pad: np.repeat(a, 2, axis=-1)[..., ::2],
+    "reversed-t": lambda a, pad: np.ascontiguousarray(a[::-1])[::-1],
+    "transposed-storage": lambda a, pad: np.ascontiguousarray(np.moveaxis(a, 0, -1))
+    .transpose((a.ndim - 1,) + tuple(range(a.ndim - 1))),
+    "fortran": lambda a, pad: np.asfortranarray(a),
+    "padded": lambda a, pad: _padded(a, pad),
+}
+
+
+def _padded(a, pad):
+    big = np.full(tuple(s + 2 for s in a.shape), pad, dtype=a.dtype)
+    view = big[tuple(slice(1, -1) for _ in a.shape)]
+    view[...] = a
+    return view
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_strided_inputs(view, dtype):
+    x, w, g, out, dx, dw = _contiguous_results(dtype)
+    xs, ws, gs = (VIEWS[view](a, 0) for a in (x, w, g))
+    assert np.array_equal(xs.astype(np.float64), x.astype(np.float64))
+    assert not xs.flags.c_contiguous
+    assert _same_bits(nsa_numba.nsa_compress(xs, ws, L, S, actual_seq_len=SEQ), out)
+    sdx, sdw = nsa_numba.nsa_compress_grad(gs, xs, ws, L, S, actual_seq_len=SEQ)
+    assert _same_bits(sdx, dx) and _same_bits(sdw, dw)
+
+
+@pytest.mark.parametrize("view", ["every-other-d", "reversed-t", "transposed-storage",
+                                  "padded"])
+def test_strided_outputs_touch_only_their_elements(view, dtype):
+    x, w, g, out, dx, dw = _contiguous_results(dtype)
+    sentinel = np.array(7.0).astype(dtype)
+    targets = []
+    for a in (out, dx, dw):
+        backing = np.full(tuple(s + 2 for s in a.shape[:-1]) + (2 * a.shape[-1] + 2,),
+                          sentinel, dtype=dtype)
+        if view == "padded":
+            v = backing[tuple(slice(1, -1) for _ in a.shape[:-1]) + (slice(1, 1 + a.shape[-1]),)]
+        elif view == "every-other-d":
+            v = backing[tuple(slice(1, -1) for _ in a.shape[:-1]) + (slice(1, -1, 2),)]
+        elif view == "reversed-t":
+            v = backing[(slice(-2, 0, -1),) + tuple(slice(1, -1) for _ in a.shape[1:-1])
+                        + (slice(1, 1 + a.shape[-1]),)]
+        else:
+            v = np.moveaxis(backing[..., 1:1 + a.shape[-1]][tuple(
+                slice(1, -1) for _ in a.shape[:-1])], 0, -1)
+            v = np.moveaxis(v, -1, 0)[:, ...]
+        assert v.shape == a.shape
+        targets.append((backing, v))
+    (ob, ov), (xb, xv), (wb, wv) = targets
+    before = [b.copy() for b, _ in targets]
+    r = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ, out=ov)
+    assert r is ov and _same_bits(ov, out)
+    r1, r2 = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ, input_grad=xv,
+                                         weight_grad=wv)
+    assert r1 is xv and r2 is wv
+    assert _same_bits(xv, dx) and _same_bits(wv, dw)
+    for (b, v), old in zip(targets, before):
+        mask = np.ones(b.shape, bool)
+        mask.flat[_view_index(b, v)] = False   # everything outside the view
+        assert mask.sum() == b.size - v.size
+        assert np.array_equal(b.view(np.uint8).reshape(b.shape + (-1,))[mask],
+                              old.view(np.uint8).reshape(b.shape + (-1,))[mask])
+
+
+def _view_index(base, view):
+    """Flat indices into ``base`` of the elements of ``view``."""
+    offsets = np.zeros(view.shape, np.int64)
+    start = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    offsets += start
+    for axis, (n, st) in enumerate(zip(view.shape, view.strides)):
+        shape = [1] * view.ndim
+        shape[axis] = n
+        offsets = offsets + (np.arange(n) * st).reshape(shape)
+    return (offsets // base.itemsize).ravel()
