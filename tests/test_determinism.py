@@ -84,3 +84,28 @@ def test_concurrent_python_threads():
         for _ in range(3):
             got = list(pool.map(lambda p: _digests(*p), problems))
             assert got == expected
+
+
+FORK_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import nsa_numba
+    x = np.random.default_rng(0).standard_normal((512, 4, 32)).astype(np.float32)
+    w = np.ones((32, 4), np.float32)
+    parent = nsa_numba.nsa_compress(x, w, 32, 16)      # the thread pool is now running
+    pid = os.fork()
+    if pid == 0:
+        child = nsa_numba.nsa_compress(x, w, 32, 16)
+        dx, dw = nsa_numba.nsa_compress_grad(child, x, w, 32, 16)
+        os._exit(0 if np.array_equal(child, parent) else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_forked_child_can_run_the_kernels():
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
