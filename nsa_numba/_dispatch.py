@@ -15,11 +15,18 @@ def _weight_table(plan):
     return np.ascontiguousarray(plan.arrays["weight"].astype(plan.accumulator).T)
 
 
-def partials_view(plan, workspace):
-    """The weight-gradient partials ``[n_tiles, N, l]`` inside a uint8 workspace."""
-    count = plan.tiles.shape[0] * plan.N * plan.block
-    return workspace[:plan.workspace_bytes].view(plan.accumulator)[:count].reshape(
-        plan.tiles.shape[0], plan.N, plan.block)
+def carve(plan, workspace):
+    """(partials ``[n_tiles, N, l]``, scratch ``[slots, elements]``) in a uint8 workspace.
+
+    The layout is the one ``_plan`` sizes: partials first, then one scratch row per
+    thread, all in the accumulator dtype.
+    """
+    elements = workspace[:plan.workspace_bytes].view(plan.accumulator)
+    n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0   # none in the forward
+    partials = elements[:n_tiles * plan.N * plan.block].reshape(n_tiles, plan.N, plan.block)
+    scratch = elements[plan.partial_elements:].reshape(plan.scratch_slots,
+                                                       plan.scratch_elements)
+    return partials, scratch
 
 
 def new_workspace(plan):
@@ -27,16 +34,20 @@ def new_workspace(plan):
 
 
 def run(plan, workspace=None):
-    """Compute the plan's outputs. ``workspace``: uint8, >= plan.workspace_bytes."""
+    """Compute the plan's outputs.
+
+    ``workspace``: a writable, C-contiguous uint8 array of at least
+    ``plan.workspace_bytes`` (allocated here when None).
+    """
     if workspace is None:
         workspace = new_workspace(plan)
+    partials, scratch = carve(plan, workspace)
     wt = _weight_table(plan)
     if plan.op == "forward":
         _threading.launch(_kernels.compress_forward, plan.storage("input"), wt,
-                          plan.storage("out"), plan.tiles, plan.stride)
+                          plan.storage("out"), plan.tiles, plan.stride, scratch)
         return
-    partials = partials_view(plan, workspace)
     _threading.launch(_kernels.compress_backward, plan.storage("grad"),
                       plan.storage("input"), wt, plan.storage("input_grad"), partials,
-                      plan.tiles, plan.stride)
+                      plan.tiles, plan.stride, scratch)
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))

@@ -20,7 +20,7 @@ converted once, in registers.
 """
 
 import numpy as np
-from numba import prange
+from numba import get_thread_id, prange
 
 from ._halfprec import narrow, widen
 from ._jit import jit, jit_parallel
@@ -32,8 +32,9 @@ CACHE_DEPENDS = {
     "_jit.py": "91fc5f6e88a5a702",
 }
 
-# columns of the tile table
-S0, NW, KW0, I0, I1, TOK_LO, TOK_HI = range(7)
+# columns of the tile table (see _plan.tile_schedule)
+S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(9)
+N_TILE_COLUMNS = 9
 
 
 @jit
@@ -54,12 +55,28 @@ def _covering(rel, block, stride, lo, hi):
     return max(lo, (rel - block) // stride + 1), min(hi, rel // stride)
 
 
+def forward_scratch_elements(N, D, block, stride):
+    """Scratch one thread of ``compress_forward`` needs, in accumulator elements."""
+    return ring_slots(block, stride) * N * D + D
+
+
+def backward_scratch_elements(N, D, block, max_tile_windows):
+    """Scratch one thread of ``compress_backward`` needs, in accumulator elements."""
+    return (max_tile_windows + block) * N * D + 2 * D
+
+
+def ring_slots(block, stride):
+    """Most windows that can contain one token: ceil(l / d)."""
+    return (block + stride - 1) // stride
+
+
 @jit_parallel
-def compress_forward(x, wt, out, tiles, stride):
+def compress_forward(x, wt, out, tiles, stride, scratch):
     """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
 
     A unit is one tile, all heads: it streams the tile's tokens in memory order and
     keeps the windows open at the current token in a ring of ceil(l / d) slots.
+    ``scratch`` holds one row per thread (``forward_scratch_elements``).
     """
     N = x.shape[1]
     D = x.shape[2]
@@ -71,8 +88,9 @@ def compress_forward(x, wt, out, tiles, stride):
         i0 = tiles[tile, I0]
         i1 = tiles[tile, I1]
         row0 = tiles[tile, KW0]
-        ring = np.empty((ring_size, N, D), dtype=wt.dtype)
-        xf = np.empty(D, dtype=wt.dtype)
+        mine = scratch[get_thread_id()]
+        ring = mine[:ring_size * N * D].reshape((ring_size, N, D))
+        xf = mine[ring_size * N * D:ring_size * N * D + D]
         for t in range(s0 + i0 * stride, s0 + (i1 - 1) * stride + block):
             rel = t - s0
             lo, hi = _covering(rel, block, stride, i0, i1 - 1)
@@ -109,7 +127,7 @@ def compress_forward(x, wt, out, tiles, stride):
 
 
 @jit_parallel
-def compress_backward(g, x, wt, ig, partials, tiles, stride):
+def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
@@ -118,7 +136,8 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride):
     the tile's tokens in order, then the D sums in order.
 
     Tokens covered by one or two windows (all of them when l <= 2d) take one fused
-    pass over D that reads x once and writes input_grad directly.
+    pass over D that reads x once and writes input_grad directly. ``scratch`` holds
+    one row per thread (``backward_scratch_elements``).
     """
     N = x.shape[1]
     D = x.shape[2]
@@ -129,17 +148,20 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride):
         tok_lo = tiles[tile, TOK_LO]
         tok_hi = tiles[tile, TOK_HI]
         # the windows (sequence-local numbers first..last) that touch the owned tokens
-        first = max(0, (tok_lo - s0 - block) // stride + 1)
-        last = min(tiles[tile, NW] - 1, (tok_hi - 1 - s0) // stride)
+        first = tiles[tile, G0]
+        last = tiles[tile, G1] - 1
+        n_g = last - first + 1
+        mine = scratch[get_thread_id()]
+        gf = mine[:n_g * N * D].reshape((n_g, N, D))
+        lanes = mine[n_g * N * D:(n_g + block) * N * D].reshape((block, N, D))
+        xf = mine[(n_g + block) * N * D:(n_g + block) * N * D + D]
+        ia = mine[(n_g + block) * N * D + D:(n_g + block) * N * D + 2 * D]
+        lanes[:] = 0
+        zero = lanes.dtype.type(0)  # sums start at +0, as in a zeroed buffer
         g0 = tiles[tile, KW0] + first
-        gf = np.empty((max(0, last - first + 1), N, D), dtype=wt.dtype)
-        for i in range(gf.shape[0]):
+        for i in range(n_g):
             for n in range(N):
                 _decode_row(g[g0 + i, n], gf[i, n])
-        lanes = np.zeros((block, N, D), dtype=wt.dtype)
-        xf = np.empty(D, dtype=wt.dtype)
-        ia = np.empty(D, dtype=wt.dtype)
-        zero = np.zeros(1, dtype=wt.dtype)[0]  # sums start at +0, as in a zeroed buffer
         for t in range(tok_lo, tok_hi):
             rel = t - s0
             lo, hi = _covering(rel, block, stride, first, last)

@@ -23,17 +23,34 @@ never on the thread count, which is what makes the weight-gradient reduction
   window-less tile for those zeros.
 
 Each tile also owns its float32 weight-gradient partial ``[N, l]`` in the workspace.
+
+Workspace
+---------
+The run phase keeps all its scratch in one caller-provided byte buffer (the aclnn
+protocol), in accumulator-dtype elements (4 bytes; 8 for float64):
+
+* backward: ``n_tiles * N * l`` weight-gradient partials, rounded up to 16 elements;
+* one scratch slot per thread Numba may run (``NUMBA_NUM_THREADS``): the forward's
+  ring of open windows (``ceil(l/d) * N * D + D``), or the backward's decoded
+  gradient rows and per-element weight-gradient sums
+  (``(G + l) * N * D + 2 * D``, G = most windows touching one tile's tokens),
+  each rounded up to 16 elements.
+
+Slots are indexed by Numba's thread id; what a slot holds never reaches a result
+through anything but the fixed-order sums above.
 """
 
 import numbers
 from dataclasses import dataclass, field
 
 import ml_dtypes
+import numba
 import numpy as np
 
 from . import _seqlens
 from ._errors import invalid, missing
-from ._kernels import I0, I1, KW0, NW, S0, TOK_HI, TOK_LO
+from . import _kernels
+from ._kernels import G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -90,9 +107,16 @@ class Plan:
     stride: int
     seq_offsets: np.ndarray        # [B + 1] token offsets
     window_offsets: np.ndarray     # [B + 1] output-row offsets; last = T'
-    tiles: np.ndarray              # [n_tiles, 7] int64, columns S0 ... TOK_HI
-    workspace_bytes: int
+    tiles: np.ndarray              # [n_tiles, N_TILE_COLUMNS] int64, columns S0 ... G1
+    partial_elements: int          # weight-gradient partials at the workspace start
+    scratch_slots: int             # per-thread scratch rows after them
+    scratch_elements: int          # elements per row
     arrays: dict
+
+    @property
+    def workspace_bytes(self):
+        count = self.partial_elements + self.scratch_slots * self.scratch_elements
+        return count * self.accumulator.itemsize
 
     @property
     def n_windows(self):
@@ -238,8 +262,14 @@ def windows_per_tile(stride, N, D):
     return max(1, TILE_ELEMENTS // max(1, stride * N * D))
 
 
-def tile_schedule(seq_offsets, win_offsets, stride, N, D):
-    """The ``[n_tiles, 7]`` tile table described in the module docstring."""
+def tile_schedule(seq_offsets, win_offsets, block, stride, N, D):
+    """The tile table described in the module docstring, one row per tile.
+
+    Columns (named in ``_kernels``): S0 sequence start token, NW windows in the
+    sequence, KW0 output row of its first window, I0..I1 the tile's windows
+    (sequence-local), TOK_LO..TOK_HI the tokens whose input gradient it owns,
+    G0..G1 the windows that touch those tokens.
+    """
     starts = seq_offsets[:-1]
     lengths = np.diff(seq_offsets)
     counts = np.diff(win_offsets)
@@ -248,7 +278,7 @@ def tile_schedule(seq_offsets, win_offsets, stride, N, D):
     seq = np.repeat(np.arange(starts.size), n_tiles)
     first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1]))
     c = np.arange(seq.size, dtype=np.int64) - np.repeat(first_tile, n_tiles)
-    tiles = np.empty((seq.size, 7), dtype=np.int64)
+    tiles = np.empty((seq.size, N_TILE_COLUMNS), dtype=np.int64)
     s0, nw = starts[seq], counts[seq]
     tiles[:, S0] = s0
     tiles[:, NW] = nw
@@ -258,12 +288,19 @@ def tile_schedule(seq_offsets, win_offsets, stride, N, D):
     tiles[:, TOK_LO] = np.where(c == 0, s0, s0 + tiles[:, I0] * stride)
     last = c == n_tiles[seq] - 1
     tiles[:, TOK_HI] = np.where(last, s0 + lengths[seq], s0 + tiles[:, I1] * stride)
+    tiles[:, G0] = np.maximum(0, (tiles[:, TOK_LO] - s0 - block) // stride + 1)
+    tiles[:, G1] = np.maximum(tiles[:, G0], np.minimum(nw, (tiles[:, TOK_HI] - 1 - s0)
+                                                       // stride + 1))
     return tiles
 
 
-def grad_workspace_bytes(n_tiles, N, block, accumulator):
-    """Bytes of the weight-gradient partials: one ``[N, l]`` block per tile."""
-    return int(n_tiles) * int(N) * int(block) * np.dtype(accumulator).itemsize
+def _round16(elements):
+    return -(-int(elements) // 16) * 16
+
+
+def scratch_slots():
+    """Threads a launch may use: Numba's ceiling, fixed at its start."""
+    return int(numba.config.NUMBA_NUM_THREADS)
 
 
 # -- the two planners ------------------------------------------------------------
@@ -279,8 +316,10 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     offsets, win_offsets = _geometry(rules, T, block, stride, actual_seq_len, seq_type)
     out = _check_output(rules, "out", out, (int(win_offsets[-1]), N, D), x.dtype,
                         "[T', N, D]")
-    tiles = tile_schedule(offsets, win_offsets, stride, N, D)
-    return Plan("forward", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles, 0,
+    tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
+    scratch = _kernels.forward_scratch_elements(N, D, block, stride)
+    return Plan("forward", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
+                0, scratch_slots(), _round16(scratch),
                 {"input": x, "weight": weight, "out": out})
 
 
@@ -304,8 +343,10 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype, "[T, N, D]")
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 "[compress_block_size, N]")
-    tiles = tile_schedule(offsets, win_offsets, stride, N, D)
-    workspace = grad_workspace_bytes(tiles.shape[0], N, block, ACCUMULATOR[x.dtype])
+    tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
+    span = int((tiles[:, G1] - tiles[:, G0]).max(initial=0))
+    scratch = _kernels.backward_scratch_elements(N, D, block, span)
     return Plan("grad", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
-                workspace, {"grad": grad, "input": x, "weight": weight,
-                            "input_grad": input_grad, "weight_grad": weight_grad})
+                _round16(tiles.shape[0] * N * block), scratch_slots(), _round16(scratch),
+                {"grad": grad, "input": x, "weight": weight,
+                 "input_grad": input_grad, "weight_grad": weight_grad})
