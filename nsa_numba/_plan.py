@@ -232,7 +232,7 @@ def _check_present(rules, **arrays):
 
 def _check_input_and_weight(rules, x, weight, block):
     x = _check_array(rules, "input", x, 3, "[T, N, D]")
-    weight = _check_array(rules, "weight", weight, 2, "[compress_block_size, N]")
+    weight = _check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
     _check_same_dtype(rules, x.dtype, "weight", weight)
     T, N, D = x.shape
     if rules.strict and D % 16:
@@ -342,7 +342,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
                                 f"{expected} (T' = number of windows), got {grad.shape}")
     input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype, "[T, N, D]")
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
-                                "[compress_block_size, N]")
+                                f"[{rules.names['block']}, N]")
     tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
     span = int((tiles[:, G1] - tiles[:, G0]).max(initial=0))
     scratch = _kernels.backward_scratch_elements(N, D, block, span)

@@ -55,7 +55,7 @@ RULES = [
     ("input-2d", BOTH, dict(input=np.zeros((T, N * D), np.float16)), 161002,
      ["input", "3-D", "2-D"]),
     ("weight-3d", BOTH, dict(weight=np.zeros((L, N, 1), np.float16)), 161002,
-     ["weight", "2-D", "3-D"]),
+     ["weight must be 2-D [compress_block_size, N]", "3-D"]),
     ("grad-2d", ("grad",), dict(grad=np.zeros((TP, N), np.float16)), 161002, ["grad", "3-D"]),
     ("int-dtype", BOTH, dict(input=np.zeros((T, N, D), np.int16)), 161002,
      ["input", "dtype", "int16"]),

@@ -1,0 +1,250 @@
+"""The aclnn two-phase C API of the NSA compress operators, mirrored in Python.
+
+Code written against CANN's ``aclnnNsaCompress`` / ``aclnnNsaCompressGrad`` runs
+unchanged and fails the same way:
+
+1. ``aclnn...GetWorkspaceSize(...)`` validates every argument against the NPU's
+   documented constraints and returns ``(status, workspace_size, executor)``;
+2. the caller allocates ``workspace_size`` bytes (a writable, C-contiguous numpy
+   array; ``None`` when the size is 0);
+3. ``aclnn...(workspace, workspace_size, executor, stream)`` computes into the
+   output tensors given in phase 1 and returns a status.
+
+Mapping of C types: ``None`` is a null pointer; a numpy array of any strides is an
+``aclTensor``; a list, tuple or 1-D integer array is an ``aclIntArray``; a str or None
+is the layout string. Execution is synchronous on the CPU: ``stream`` must be None.
+
+These functions never raise for bad input. They return a status code and leave a
+message for ``aclGetRecentErrMsg()`` (kept per thread, newest first, cleared when
+read). An unexpected internal exception becomes ``ACLNN_ERR_INNER`` with its
+message. On any failure no output element changes.
+
+The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad``
+in strict mode (``_plan``), with the C parameter names and float16 / bfloat16 only.
+"""
+
+import threading
+
+import numpy as np
+
+from . import _dispatch
+from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
+                      ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
+from ._plan import BFLOAT16, FLOAT16, Rules, plan_forward, plan_grad
+
+__all__ = [
+    "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID",
+    "ACLNN_ERR_RUNTIME_ERROR", "ACLNN_ERR_INNER",
+    "aclnnNsaCompressGetWorkspaceSize", "aclnnNsaCompress",
+    "aclnnNsaCompressGradGetWorkspaceSize", "aclnnNsaCompressGrad",
+    "aclGetRecentErrMsg", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor",
+    "aclOpExecutor",
+]
+
+_COMMON_NAMES = {
+    "input": "input", "weight": "weight",
+    "block": "compressBlockSize", "stride": "compressStride",
+    "actual_seq_len_type": "actSeqLenType",
+}
+FORWARD_RULES = Rules(
+    "aclnnNsaCompressGetWorkspaceSize",
+    names=dict(_COMMON_NAMES, out="output", actual_seq_len="actSeqLenOptional",
+               layout="layoutOptional"),
+    dtypes=(FLOAT16, BFLOAT16), strict=True, allocate_outputs=False)
+GRAD_RULES = Rules(
+    "aclnnNsaCompressGradGetWorkspaceSize",
+    names=dict(_COMMON_NAMES, grad="outputGrad", input_grad="inputGradOut",
+               weight_grad="weightGradOut", actual_seq_len="actSeqLenOptionalOptional",
+               layout="layoutOptionalOptional"),
+    dtypes=(FLOAT16, BFLOAT16), strict=True, allocate_outputs=False)
+
+_errors = threading.local()
+
+
+def aclGetRecentErrMsg():
+    """The calling thread's error messages since the last call, newest first; then cleared.
+
+    Returns "" when there are none.
+    """
+    messages = getattr(_errors, "messages", [])
+    _errors.messages = []
+    return "\n".join(reversed(messages))
+
+
+def _fail(status, message):
+    if not hasattr(_errors, "messages"):
+        _errors.messages = []
+    _errors.messages.append(message)
+    return status
+
+
+class aclOpExecutor:
+    """What phase one hands to phase two: the validated plan and its run state.
+
+    Runs once, unless ``aclSetAclOpExecutorRepeatable`` was called; a repeatable
+    executor runs until ``aclDestroyAclOpExecutor``. Each run reads the current
+    contents of the tensors given in phase one.
+    """
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.repeatable = False
+        self.runs = 0
+        self.destroyed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        if self.destroyed:
+            return "<aclOpExecutor destroyed>"
+        kind = "repeatable " if self.repeatable else ""
+        return (f"<aclOpExecutor {kind}{self.plan.op} T={self.plan.T} N={self.plan.N} "
+                f"D={self.plan.D} workspace={self.plan.workspace_bytes} B runs={self.runs}>")
+
+
+def _get_workspace_size(rules, planner, *args):
+    try:
+        plan = planner(rules, *args)
+    except NsaError as err:
+        return _fail(err.status, str(err)), 0, None
+    except Exception as err:  # noqa: BLE001 - an unexpected failure must not escape
+        return _fail(ACLNN_ERR_INNER, f"{rules.op}: internal error: "
+                                      f"{type(err).__name__}: {err}"), 0, None
+    return ACLNN_SUCCESS, plan.workspace_bytes, aclOpExecutor(plan)
+
+
+def aclnnNsaCompressGetWorkspaceSize(input, weight, actSeqLenOptional, layoutOptional,
+                                     compressBlockSize, compressStride, actSeqLenType,
+                                     output):
+    """Phase one of the forward: validate, plan. -> (status, workspace_size, executor)."""
+    return _get_workspace_size(FORWARD_RULES, plan_forward, input, weight,
+                               compressBlockSize, compressStride, actSeqLenOptional,
+                               actSeqLenType, layoutOptional, output)
+
+
+def aclnnNsaCompressGradGetWorkspaceSize(outputGrad, input, weight,
+                                         actSeqLenOptionalOptional, compressBlockSize,
+                                         compressStride, actSeqLenType,
+                                         layoutOptionalOptional, inputGradOut,
+                                         weightGradOut):
+    """Phase one of the backward: validate, plan. -> (status, workspace_size, executor)."""
+    return _get_workspace_size(GRAD_RULES, plan_grad, outputGrad, input, weight,
+                               compressBlockSize, compressStride, actSeqLenOptionalOptional,
+                               actSeqLenType, layoutOptionalOptional, inputGradOut,
+                               weightGradOut)
+
+
+def _check_run(op, kind, workspace, workspace_size, executor, stream):
+    """The workspace as C-contiguous uint8 bytes, or raise NsaError. Caller holds the lock."""
+    if executor is None:
+        raise NsaError(f"{op}: executor is required but got None (a null pointer)",
+                       ACLNN_ERR_PARAM_NULLPTR)
+    if not isinstance(executor, aclOpExecutor):
+        raise NsaError(f"{op}: executor must be an aclOpExecutor from "
+                       f"{op}GetWorkspaceSize, got {type(executor).__name__}")
+    if executor.destroyed:
+        raise NsaError(f"{op}: executor was destroyed by aclDestroyAclOpExecutor")
+    if executor.plan.op != kind:
+        other = "aclnnNsaCompressGrad" if kind == "forward" else "aclnnNsaCompress"
+        raise NsaError(f"{op}: executor was made by {other}GetWorkspaceSize, "
+                       f"not {op}GetWorkspaceSize")
+    if executor.runs and not executor.repeatable:
+        raise NsaError(f"{op}: executor already ran once and is not repeatable "
+                       f"(call aclSetAclOpExecutorRepeatable before its first run)")
+    if stream is not None:
+        raise NsaError(f"{op}: stream must be None (the CPU runs synchronously), "
+                       f"got {type(stream).__name__}")
+    needed = executor.plan.workspace_bytes
+    if isinstance(workspace_size, (bool, np.bool_)) or not isinstance(
+            workspace_size, (int, np.integer)):
+        raise NsaError(f"{op}: workspaceSize must be an integer, got {workspace_size!r}")
+    if workspace_size < needed:
+        raise NsaError(f"{op}: workspaceSize must be at least {needed} bytes (from "
+                       f"{op}GetWorkspaceSize), got {workspace_size}")
+    if needed == 0:
+        return None
+    if workspace is None:
+        raise NsaError(f"{op}: workspace must be an array of {needed} bytes, got None")
+    if not isinstance(workspace, np.ndarray):
+        raise NsaError(f"{op}: workspace must be a numpy.ndarray, got "
+                       f"{type(workspace).__name__}")
+    if not workspace.flags.c_contiguous:
+        raise NsaError(f"{op}: workspace must be C-contiguous, got strides "
+                       f"{workspace.strides}")
+    if not workspace.flags.writeable:
+        raise NsaError(f"{op}: workspace must be writable, got a read-only array")
+    if workspace.nbytes < workspace_size:
+        raise NsaError(f"{op}: workspace holds {workspace.nbytes} bytes, fewer than "
+                       f"workspaceSize = {workspace_size}")
+    return workspace.reshape(-1).view(np.uint8)
+
+
+def _run(op, kind, workspace, workspace_size, executor, stream):
+    lock = getattr(executor, "_lock", None) if isinstance(executor, aclOpExecutor) else None
+    try:
+        if lock is not None:
+            lock.acquire()
+        try:
+            raw = _check_run(op, kind, workspace, workspace_size, executor, stream)
+            _dispatch.run(executor.plan, raw)
+            executor.runs += 1
+        finally:
+            if lock is not None:
+                lock.release()
+    except NsaError as err:
+        return _fail(err.status, str(err))
+    except MemoryError as err:
+        return _fail(ACLNN_ERR_RUNTIME_ERROR, f"{op}: out of memory: {err}")
+    except Exception as err:  # noqa: BLE001 - an unexpected failure must not escape
+        return _fail(ACLNN_ERR_INNER, f"{op}: internal error: {type(err).__name__}: {err}")
+    return ACLNN_SUCCESS
+
+
+def aclnnNsaCompress(workspace, workspaceSize, executor, stream=None):
+    """Phase two of the forward: compute ``output``. -> status."""
+    return _run("aclnnNsaCompress", "forward", workspace, workspaceSize, executor, stream)
+
+
+def aclnnNsaCompressGrad(workspace, workspaceSize, executor, stream=None):
+    """Phase two of the backward: compute ``inputGradOut`` and ``weightGradOut``. -> status."""
+    return _run("aclnnNsaCompressGrad", "grad", workspace, workspaceSize, executor, stream)
+
+
+def _executor_call(op, executor):
+    if executor is None:
+        return _fail(ACLNN_ERR_PARAM_NULLPTR,
+                     f"{op}: executor is required but got None (a null pointer)")
+    if not isinstance(executor, aclOpExecutor):
+        return _fail(ACLNN_ERR_PARAM_INVALID, f"{op}: executor must be an aclOpExecutor, "
+                                              f"got {type(executor).__name__}")
+    if executor.destroyed:
+        return _fail(ACLNN_ERR_PARAM_INVALID, f"{op}: executor was already destroyed")
+    return ACLNN_SUCCESS
+
+
+def aclSetAclOpExecutorRepeatable(executor):
+    """Let ``executor`` run any number of times (until destroyed). -> status.
+
+    Must come before the executor's first run: a non-repeatable executor is spent
+    by its run.
+    """
+    op = "aclSetAclOpExecutorRepeatable"
+    status = _executor_call(op, executor)
+    if status != ACLNN_SUCCESS:
+        return status
+    with executor._lock:
+        if executor.runs and not executor.repeatable:
+            return _fail(ACLNN_ERR_PARAM_INVALID,
+                         f"{op}: executor already ran once and was not repeatable")
+        executor.repeatable = True
+    return ACLNN_SUCCESS
+
+
+def aclDestroyAclOpExecutor(executor):
+    """Release ``executor`` (and its references to the tensors). -> status."""
+    status = _executor_call("aclDestroyAclOpExecutor", executor)
+    if status != ACLNN_SUCCESS:
+        return status
+    with executor._lock:
+        executor.destroyed = True
+        executor.plan = None
+    return ACLNN_SUCCESS
