@@ -60,9 +60,9 @@ def forward_scratch_elements(N, D, block, stride):
     return ring_slots(block, stride) * N * D + D
 
 
-def backward_scratch_elements(N, D, block, max_tile_windows):
+def backward_scratch_elements(N, D, block, stride):
     """Scratch one thread of ``compress_backward`` needs, in accumulator elements."""
-    return (max_tile_windows + block) * N * D + 2 * D
+    return (ring_slots(block, stride) + block) * N * D + 2 * D
 
 
 def ring_slots(block, stride):
@@ -131,50 +131,59 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
-    (0 where no window covers t); partials[tile, n, j] = this tile's share of
-    sum_i dot(g[i, n], x[start_i + j, n]): each element's products are summed over
-    the tile's tokens in order, then the D sums in order.
+    (0 where no window covers t). Tokens covered by one or two windows (all of them
+    when l <= 2d) take one fused pass over D that reads x once and writes input_grad
+    directly.
 
-    Tokens covered by one or two windows (all of them when l <= 2d) take one fused
-    pass over D that reads x once and writes input_grad directly. ``scratch`` holds
-    one row per thread (``backward_scratch_elements``).
+    partials[tile, n, j] = this tile's share of sum_i dot(g[i, n], x[start_i + j, n]):
+    per element e, the products over the tile's tokens in order, then those D sums
+    folded by ``_fold_rows``.
+
+    Gradient rows are decoded into a ring of ceil(l / d) slots as their windows
+    open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
     """
     N = x.shape[1]
     D = x.shape[2]
     block = wt.shape[1]
+    ring_size = (block + stride - 1) // stride
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
         s0 = tiles[tile, S0]
         tok_lo = tiles[tile, TOK_LO]
         tok_hi = tiles[tile, TOK_HI]
-        # the windows (sequence-local numbers first..last) that touch the owned tokens
-        first = tiles[tile, G0]
+        first = tiles[tile, G0]             # windows first..last touch the owned tokens
         last = tiles[tile, G1] - 1
-        n_g = last - first + 1
+        row0 = tiles[tile, KW0]
         mine = scratch[get_thread_id()]
-        gf = mine[:n_g * N * D].reshape((n_g, N, D))
-        lanes = mine[n_g * N * D:(n_g + block) * N * D].reshape((block, N, D))
-        xf = mine[(n_g + block) * N * D:(n_g + block) * N * D + D]
-        ia = mine[(n_g + block) * N * D + D:(n_g + block) * N * D + 2 * D]
+        at = ring_size * N * D
+        gring = mine[:at].reshape((ring_size, N, D))
+        lanes = mine[at:at + block * N * D].reshape((block, N, D))
+        at += block * N * D
+        xf = mine[at:at + D]
+        ia = mine[at + D:at + 2 * D]
         lanes[:] = 0
         zero = lanes.dtype.type(0)  # sums start at +0, as in a zeroed buffer
-        g0 = tiles[tile, KW0] + first
-        for i in range(n_g):
-            for n in range(N):
-                _decode_row(g[g0 + i, n], gf[i, n])
+        next_window = first         # the next window to decode into the ring
         for t in range(tok_lo, tok_hi):
             rel = t - s0
             lo, hi = _covering(rel, block, stride, first, last)
+            if lo > hi:  # no window covers t
+                for n in range(N):
+                    orow = ig[t, n]
+                    for e in range(D):
+                        orow[e] = narrow(zero, ig)
+                continue
+            while next_window <= hi:
+                slot = gring[next_window % ring_size]
+                for n in range(N):
+                    _decode_row(g[row0 + next_window, n], slot[n])
+                next_window += 1
+            ja = rel - lo * stride
             for n in range(N):
                 xr = x[t, n]
                 orow = ig[t, n]
-                if lo > hi:  # no window covers t
-                    for e in range(D):
-                        orow[e] = narrow(zero, ig)
-                    continue
-                ja = rel - lo * stride
                 wa = wt[n, ja]
-                ga = gf[lo - first, n]
+                ga = gring[lo % ring_size, n]
                 la = lanes[ja, n]
                 if lo == hi:
                     for e in range(D):
@@ -184,7 +193,7 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
                         la[e] += p * v
                 elif lo + 1 == hi:
                     wb = wt[n, ja - stride]
-                    gb = gf[hi - first, n]
+                    gb = gring[hi % ring_size, n]
                     lb = lanes[ja - stride, n]
                     for e in range(D):
                         v = widen(xr[e])
@@ -202,20 +211,36 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
                     for i in range(lo + 1, hi + 1):
                         j = rel - i * stride
                         w = wt[n, j]
-                        gi = gf[i - first, n]
+                        gi = gring[i % ring_size, n]
                         li = lanes[j, n]
                         for e in range(D):
                             p = gi[e]
                             ia[e] += w * p
                             li[e] += p * xf[e]
                     _encode_row(ia, orow, ig)
+        _fold_rows(lanes)
         for n in range(N):
             for j in range(block):
-                lj = lanes[j, n]
-                total = zero
-                for e in range(D):
-                    total += lj[e]
-                partials[tile, n, j] = total
+                partials[tile, n, j] = zero + lanes[j, n, 0] if D > 0 else zero
+
+
+@jit
+def _fold_rows(rows):
+    """Sum each row of ``rows[..., :D]`` into element 0 in a fixed, vectorisable order.
+
+    Halving: the upper half of the live width is added onto the lower half (the
+    middle element of an odd width waits a round), until one element is left.
+    """
+    width = rows.shape[-1]
+    while width > 1:
+        half = width // 2
+        keep = width - half
+        for a in range(rows.shape[0]):
+            for b in range(rows.shape[1]):
+                r = rows[a, b]
+                for e in range(half):
+                    r[e] += r[keep + e]
+        width = keep
 
 
 @jit

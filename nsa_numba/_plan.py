@@ -9,8 +9,7 @@ outputs are allocated, and strictness.
 
 Tiles
 -----
-Windows of each sequence are cut into runs of
-``W = max(1, TILE_ELEMENTS // (d * N * D))`` windows. A tile is one run, all heads;
+Windows of each sequence are cut into runs of ``W`` windows (``windows_per_tile``). A tile is one run, all heads;
 the parallel kernels run one tile per iteration. ``W`` depends on the problem only,
 never on the thread count, which is what makes the weight-gradient reduction
 (serial over tiles, in tile order) deterministic.
@@ -31,10 +30,9 @@ protocol), in accumulator-dtype elements (4 bytes; 8 for float64):
 
 * backward: ``n_tiles * N * l`` weight-gradient partials, rounded up to 16 elements;
 * one scratch slot per thread Numba may run (``NUMBA_NUM_THREADS``): the forward's
-  ring of open windows (``ceil(l/d) * N * D + D``), or the backward's decoded
-  gradient rows and per-element weight-gradient sums
-  (``(G + l) * N * D + 2 * D``, G = most windows touching one tile's tokens),
-  each rounded up to 16 elements.
+  ring of open windows (``ceil(l/d) * N * D + D``), or the backward's ring of
+  decoded gradient rows and per-element weight-gradient sums
+  (``(ceil(l/d) + l) * N * D + 2 * D``), each rounded up to 16 elements.
 
 Slots are indexed by Numba's thread id; what a slot holds never reaches a result
 through anything but the fixed-order sums above.
@@ -56,6 +54,8 @@ from ._kernels import G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_L
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
 #: the cores and keep a tile's decoded gradient rows in cache
 TILE_ELEMENTS = 1 << 16
+#: and at least this many window lengths of tokens per tile
+TILE_BLOCKS = 8
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
@@ -258,8 +258,13 @@ def _geometry(rules, T, block, stride, actual_seq_len, seq_type):
 
 # -- tile schedule ---------------------------------------------------------------
 
-def windows_per_tile(stride, N, D):
-    return max(1, TILE_ELEMENTS // max(1, stride * N * D))
+def windows_per_tile(block, stride, N, D):
+    """Windows per tile: enough tokens to amortise the per-tile weight-gradient fold
+    (over ``l * N * D`` sums, so at least ``TILE_BLOCKS * l`` tokens) and enough input
+    elements to amortise the per-tile setup."""
+    by_block = -(-TILE_BLOCKS * block // stride)
+    by_size = TILE_ELEMENTS // max(1, stride * N * D)
+    return max(1, by_block, by_size)
 
 
 def tile_schedule(seq_offsets, win_offsets, block, stride, N, D):
@@ -273,7 +278,7 @@ def tile_schedule(seq_offsets, win_offsets, block, stride, N, D):
     starts = seq_offsets[:-1]
     lengths = np.diff(seq_offsets)
     counts = np.diff(win_offsets)
-    per_tile = windows_per_tile(stride, N, D)
+    per_tile = windows_per_tile(block, stride, N, D)
     n_tiles = np.where(counts > 0, -(-counts // per_tile), (lengths > 0).astype(np.int64))
     seq = np.repeat(np.arange(starts.size), n_tiles)
     first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1]))
@@ -344,8 +349,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
     tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
-    span = int((tiles[:, G1] - tiles[:, G0]).max(initial=0))
-    scratch = _kernels.backward_scratch_elements(N, D, block, span)
+    scratch = _kernels.backward_scratch_elements(N, D, block, stride)
     return Plan("grad", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
                 _round16(tiles.shape[0] * N * block), scratch_slots(), _round16(scratch),
                 {"grad": grad, "input": x, "weight": weight,
