@@ -1,4 +1,4 @@
-"""Command line: ``python -m nsa_numba {demo,info}``."""
+"""Command line: ``python -m nsa_numba {demo,info,bench}``."""
 
 import argparse
 import os
@@ -115,6 +115,13 @@ def info(args):
     return 0
 
 
+def _bench(args):
+    from . import bench
+    if not args.dtype:
+        args.dtype = ["bf16", "fp16"]
+    return bench.main(args)
+
+
 def _host_cpu_name():
     from llvmlite import binding
     return binding.get_host_cpu_name()
@@ -129,6 +136,10 @@ def main(argv=None):
     p.set_defaults(func=demo)
     p = sub.add_parser("info", help="versions, threading layer, CPU, cache directory")
     p.set_defaults(func=info)
+    p = sub.add_parser("bench", help="throughput against copy bandwidth (and PyTorch)")
+    from . import bench
+    bench.add_arguments(p)
+    p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,230 @@
+"""``python -m nsa_numba bench``: throughput against the machine's copy bandwidth.
+
+Both operators move far more bytes than they compute, so the honest yardstick is
+memory bandwidth, measured in the same run on the same threads: a parallel Numba
+copy of a buffer larger than the caches. Each case reports the best of ``repeat``
+timings, the GB/s that implies, that figure as a percentage of the copy's, and, when
+PyTorch is installed, the time of the idiomatic PyTorch implementation (``unfold`` +
+``einsum``, autograd for the backward) on the same thread count.
+
+Bytes counted: forward = input read + output written; backward = input read + grad
+read + input_grad written (the weights are negligible).
+"""
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numba
+import numpy as np
+from numba import prange
+
+from . import api
+from ._jit import jit_parallel
+from ._plan import BFLOAT16, FLOAT16, FLOAT32
+
+#: (T, N, D, l, d, number of equal sequences)
+DEFAULT_SHAPES = [
+    (32768, 4, 128, 32, 16, 4),
+    (16384, 16, 128, 64, 32, 4),
+    (8192, 64, 128, 32, 16, 8),
+]
+DTYPES = {"bf16": BFLOAT16, "fp16": FLOAT16, "fp32": FLOAT32}
+_COPY_CHUNK = 1 << 16
+
+
+@jit_parallel
+def _parallel_copy(src, dst):
+    chunks = (src.size + _COPY_CHUNK - 1) // _COPY_CHUNK
+    for c in prange(chunks):
+        start = np.int64(c) * _COPY_CHUNK
+        stop = min(src.size, start + _COPY_CHUNK)
+        dst[start:stop] = src[start:stop]
+
+
+def best_time(fn, repeat):
+    """Best wall time of ``repeat`` calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def copy_bandwidth(nbytes, repeat):
+    """GB/s (read + write) of a parallel copy of ``nbytes`` (at least 64 MiB)."""
+    nbytes = max(int(nbytes), 64 << 20)
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    return 2 * nbytes / best_time(lambda: _parallel_copy(src, dst), repeat) / 1e9
+
+
+def sequence_ends(T, count):
+    """Cumulative ends of ``count`` near-equal sequences covering T tokens."""
+    return np.linspace(0, T, count + 1).round().astype(np.int64)[1:].tolist()
+
+
+@dataclass
+class Case:
+    T: int
+    N: int
+    D: int
+    block: int
+    stride: int
+    sequences: int
+    dtype: str
+    strided: bool = False
+
+    @property
+    def label(self):
+        view = " strided" if self.strided else ""
+        return (f"T={self.T} N={self.N} D={self.D} l={self.block} d={self.stride} "
+                f"seqs={self.sequences} {self.dtype}{view}")
+
+
+def make_data(case, seed=0):
+    dtype = DTYPES[case.dtype]
+    rng = np.random.default_rng(seed)
+    seq = sequence_ends(case.T, case.sequences)
+    shape = (case.T, case.N, case.D)
+    if case.strided:  # every other element of a buffer twice as wide
+        x = rng.standard_normal(shape[:2] + (2 * case.D,)).astype(dtype)[..., ::2]
+    else:
+        x = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal((case.block, case.N)).astype(dtype)
+    out = api.nsa_compress(x, w, case.block, case.stride, actual_seq_len=seq)
+    g = rng.standard_normal(out.shape).astype(dtype)
+    return x, w, g, out, seq
+
+
+def torch_baseline(case, x, w, g, seq, repeat):
+    """(forward s, backward s) of unfold + einsum in PyTorch, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype]
+    tx = torch.from_numpy(np.ascontiguousarray(x).astype(np.float32)).to(tdtype)
+    tw = torch.from_numpy(w.astype(np.float32)).to(tdtype)
+    tg = torch.from_numpy(g.astype(np.float32)).to(tdtype)
+    starts = [0] + seq[:-1]
+
+    def forward(xx, ww):
+        parts = []
+        for a, b in zip(starts, seq):
+            if b - a >= case.block:
+                win = xx[a:b].unfold(0, case.block, case.stride)     # [w, N, D, l]
+                parts.append(torch.einsum("wndl,ln->wnd", win, ww))
+        return torch.cat(parts)
+
+    def backward():
+        xx = tx.detach().requires_grad_(True)
+        ww = tw.detach().requires_grad_(True)
+        forward(xx, ww).backward(tg)
+
+    with torch.no_grad():
+        t_fwd = best_time(lambda: forward(tx, tw), repeat)
+    t_bwd = best_time(backward, repeat)
+    return t_fwd, t_bwd
+
+
+def run_case(case, repeat, copy_gbs, use_torch):
+    x, w, g, out, seq = make_data(case)
+    dx = np.empty(x.shape, x.dtype)
+    dw = np.empty_like(w)
+    l, d = case.block, case.stride
+    t_fwd = best_time(lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+                      repeat)
+    t_bwd = best_time(lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                                    input_grad=dx, weight_grad=dw), repeat)
+    item = x.dtype.itemsize
+    fwd_bytes = (x.size + out.size) * item
+    bwd_bytes = (2 * x.size + g.size) * item
+    result = dict(case=asdict(case), label=case.label, copy_gbs=copy_gbs)
+    for op, seconds, nbytes in (("forward", t_fwd, fwd_bytes), ("backward", t_bwd, bwd_bytes)):
+        gbs = nbytes / seconds / 1e9
+        result[op] = dict(ms=seconds * 1e3, bytes=nbytes, gbs=gbs,
+                          pct_copy=100 * gbs / copy_gbs)
+    baseline = torch_baseline(case, x, w, g, seq, max(1, repeat // 3)) if use_torch else None
+    if baseline is not None:
+        for op, seconds in zip(("forward", "backward"), baseline):
+            result[op]["torch_ms"] = seconds * 1e3
+            result[op]["speedup"] = seconds * 1e3 / result[op]["ms"]
+    return result
+
+
+def format_table(results):
+    head = (f"{'case':<52}{'op':<9}{'ms':>9}{'GB/s':>8}{'% copy':>8}"
+            f"{'torch ms':>10}{'x torch':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for op in ("forward", "backward"):
+            m = r[op]
+            torch_cols = (f"{m['torch_ms']:>10.2f}{m['speedup']:>8.1f}x" if "torch_ms" in m
+                          else f"{'-':>10}{'-':>9}")
+            lines.append(f"{r['label'] if op == 'forward' else '':<52}{op:<9}"
+                         f"{m['ms']:>9.3f}{m['gbs']:>8.1f}{m['pct_copy']:>7.0f}%{torch_cols}")
+    return "\n".join(lines)
+
+
+def parse_shape(text):
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) != 6:
+        raise ValueError(f"--shape takes T,N,D,l,d,seqs (6 integers), got {text!r}")
+    return tuple(parts)
+
+
+def main(args):
+    if args.threads is not None:
+        if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+            print(f"--threads must be between 1 and NUMBA_NUM_THREADS = "
+                  f"{numba.config.NUMBA_NUM_THREADS} (set that variable to allow more)",
+                  file=sys.stderr)
+            return 2
+        numba.set_num_threads(args.threads)
+    threads = numba.get_num_threads()
+    use_torch = not args.no_torch
+    if use_torch:
+        try:
+            import torch
+            torch.set_num_threads(threads)
+        except ImportError:
+            use_torch = False
+    shapes = [parse_shape(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
+    cases = [Case(*shape, dtype=dt, strided=strided)
+             for shape in shapes for dt in args.dtype
+             for strided in ((False, True) if args.strided else (False,))]
+    biggest = max(c.T * c.N * c.D * DTYPES[c.dtype].itemsize for c in cases)
+    print(f"measuring copy bandwidth on {threads} thread(s)...", file=sys.stderr, flush=True)
+    copy_gbs = copy_bandwidth(2 * biggest, args.repeat)
+    results = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
+        results.append(run_case(case, args.repeat, copy_gbs, use_torch))
+    print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {copy_gbs:.1f} GB/s "
+          f"(parallel copy, read + write, same run); best of {args.repeat}")
+    print(format_table(results))
+    if not use_torch:
+        print("(PyTorch columns: not installed or --no-torch)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=threads, copy_gbs=copy_gbs, repeat=args.repeat,
+                           results=results), f, indent=2)
+    return 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--shape", action="append", metavar="T,N,D,l,d,seqs",
+                        help="a problem to run (repeatable); default: the three reference "
+                             "shapes")
+    parser.add_argument("--dtype", action="append", choices=sorted(DTYPES),
+                        help="dtypes to run (repeatable); default: bf16 and fp16")
+    parser.add_argument("--threads", type=int, help="thread count (default: Numba's)")
+    parser.add_argument("--repeat", type=int, default=10, help="timings per case (best kept)")
+    parser.add_argument("--strided", action="store_true",
+                        help="also run each case on a non-contiguous input view")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
