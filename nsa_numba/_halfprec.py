@@ -27,7 +27,6 @@ float16 paths (this is what F16C does; the portable code matches it bit for bit)
 
 import platform
 
-import ml_dtypes
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -191,6 +190,7 @@ def widen(stored):
     if isinstance(stored, np.uint16):
         return np.float32(np.array(stored).view(np.float16))
     if isinstance(stored, np.int16):
+        import ml_dtypes
         return np.float32(np.array(stored).view(ml_dtypes.bfloat16))
     return stored
 
@@ -201,6 +201,7 @@ def narrow(value, like):
     if like.dtype == np.uint16:
         return np.array(np.float32(value)).astype(np.float16).view(np.uint16)[()]
     if like.dtype == np.int16:
+        import ml_dtypes
         return np.array(np.float32(value)).astype(ml_dtypes.bfloat16).view(np.int16)[()]
     return like.dtype.type(value)
 

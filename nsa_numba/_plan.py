@@ -9,10 +9,10 @@ outputs are allocated, and strictness.
 
 Tiles
 -----
-Windows of each sequence are cut into runs of ``W`` windows (``windows_per_tile``). A tile is one run, all heads;
-the parallel kernels run one tile per iteration. ``W`` depends on the problem only,
-never on the thread count, which is what makes the weight-gradient reduction
-(serial over tiles, in tile order) deterministic.
+Windows of each sequence are cut into runs of ``W`` windows (``windows_per_tile``).
+A tile is one run, all heads; the parallel kernels run one tile per iteration.
+``W`` depends on the problem only, never on the thread count, which is what makes
+the weight-gradient reduction (serial over tiles, in tile order) deterministic.
 
 * forward: a tile owns output rows of its windows;
 * backward: a tile owns the input-gradient rows of the tokens from its first
@@ -41,7 +41,6 @@ through anything but the fixed-order sums above.
 import numbers
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numba
 import numpy as np
 
@@ -57,16 +56,27 @@ TILE_ELEMENTS = 1 << 16
 #: and at least this many window lengths of tokens per tile
 TILE_BLOCKS = 8
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT16 = np.dtype(np.float16)
-FLOAT32 = np.dtype(np.float32)
-FLOAT64 = np.dtype(np.float64)
-
+#: the supported dtypes, by name. bfloat16 arrays come from ml_dtypes, which the
+#: library does not import (ml_dtypes 0.7.0 takes about 0.9 s to import): a
+#: bfloat16 array exists only once its creator has imported it, and is recognised
+#: by its dtype's name and size.
+FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = "float16", "bfloat16", "float32", "float64"
 #: the dtype arrays of each kind are viewed as inside the kernels (see _halfprec)
 STORAGE = {FLOAT16: np.dtype(np.uint16), BFLOAT16: np.dtype(np.int16),
-           FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+           FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
 #: accumulation dtype: float32, except float64 problems
-ACCUMULATOR = {FLOAT16: FLOAT32, BFLOAT16: FLOAT32, FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+ACCUMULATOR = {FLOAT16: np.dtype(np.float32), BFLOAT16: np.dtype(np.float32),
+               FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
+
+
+def kind_of(dtype):
+    """The supported kind (a name above) of a numpy dtype, or None."""
+    if dtype.name == BFLOAT16 and dtype.itemsize == 2 and dtype.kind == "V":
+        return BFLOAT16
+    for name in (FLOAT16, FLOAT32, FLOAT64):
+        if dtype == np.dtype(name):   # native byte order only
+            return name
+    return None
 
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -124,10 +134,10 @@ class Plan:
 
     @property
     def accumulator(self):
-        return ACCUMULATOR[self.dtype]
+        return ACCUMULATOR[kind_of(self.dtype)]
 
     def storage(self, role):
-        return self.arrays[role].view(STORAGE[self.dtype])
+        return self.arrays[role].view(STORAGE[kind_of(self.dtype)])
 
 
 # -- argument checks -------------------------------------------------------------
@@ -152,8 +162,8 @@ def _check_array(rules, key, a, ndim, dims):
     if a.ndim != ndim:
         raise invalid(rules.op, f"{name} must be {ndim}-D {dims}, got {a.ndim}-D array "
                                 f"of shape {a.shape}")
-    if a.dtype not in rules.dtypes:
-        allowed = ", ".join(str(t) for t in rules.dtypes)
+    if kind_of(a.dtype) not in rules.dtypes:
+        allowed = ", ".join(rules.dtypes)
         raise invalid(rules.op, f"{name} dtype must be one of {allowed}, got {a.dtype}")
     if rules.strict and a.size == 0:
         raise invalid(rules.op, f"{name} must not be empty, got shape {a.shape}")

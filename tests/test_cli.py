@@ -58,3 +58,10 @@ def test_pure_python_path_matches_compiled():
     assert compiled.returncode == 0, compiled.stderr
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout == compiled.stdout
+
+
+def test_import_does_not_load_ml_dtypes():
+    # ml_dtypes 0.7 takes ~0.9 s to import; float16/float32 users should not pay it.
+    proc = run(code="import sys, nsa_numba; print('ml_dtypes' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
