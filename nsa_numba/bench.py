@@ -11,6 +11,7 @@ Bytes counted: forward = input read + output written; backward = input read + gr
 read + input_grad written (the weights are negligible).
 """
 
+import argparse
 import json
 import sys
 import time
@@ -22,7 +23,6 @@ from numba import prange
 
 from . import api
 from ._jit import jit_parallel
-from ._plan import BFLOAT16, FLOAT16, FLOAT32
 
 #: (T, N, D, l, d, number of equal sequences)
 DEFAULT_SHAPES = [
@@ -30,7 +30,15 @@ DEFAULT_SHAPES = [
     (16384, 16, 128, 64, 32, 4),
     (8192, 64, 128, 32, 16, 8),
 ]
-DTYPES = {"bf16": BFLOAT16, "fp16": FLOAT16, "fp32": FLOAT32}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def numpy_dtype(name):
+    """The numpy dtype of a ``--dtype`` choice (bfloat16 through ml_dtypes)."""
+    if name == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPES[name])
 _COPY_CHUNK = 1 << 16
 
 
@@ -86,7 +94,7 @@ class Case:
 
 
 def make_data(case, seed=0):
-    dtype = DTYPES[case.dtype]
+    dtype = numpy_dtype(case.dtype)
     rng = np.random.default_rng(seed)
     seq = sequence_ends(case.T, case.sequences)
     shape = (case.T, case.N, case.D)
@@ -171,10 +179,15 @@ def format_table(results):
 
 
 def parse_shape(text):
-    parts = [int(p) for p in text.split(",")]
-    if len(parts) != 6:
-        raise ValueError(f"--shape takes T,N,D,l,d,seqs (6 integers), got {text!r}")
-    return tuple(parts)
+    """``T,N,D,l,d,seqs`` as a tuple of 6 positive integers (argparse type)."""
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 6 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--shape takes T,N,D,l,d,seqs (6 positive integers), got {text!r}")
+    return parts
 
 
 def main(args):
@@ -193,11 +206,11 @@ def main(args):
             torch.set_num_threads(threads)
         except ImportError:
             use_torch = False
-    shapes = [parse_shape(s) for s in args.shape] if args.shape else DEFAULT_SHAPES
+    shapes = args.shape or DEFAULT_SHAPES
     cases = [Case(*shape, dtype=dt, strided=strided)
              for shape in shapes for dt in args.dtype
              for strided in ((False, True) if args.strided else (False,))]
-    biggest = max(c.T * c.N * c.D * DTYPES[c.dtype].itemsize for c in cases)
+    biggest = max(c.T * c.N * c.D * numpy_dtype(c.dtype).itemsize for c in cases)
     print(f"measuring copy bandwidth on {threads} thread(s)...", file=sys.stderr, flush=True)
     copy_gbs = copy_bandwidth(2 * biggest, args.repeat)
     results = []
@@ -217,7 +230,7 @@ def main(args):
 
 
 def add_arguments(parser):
-    parser.add_argument("--shape", action="append", metavar="T,N,D,l,d,seqs",
+    parser.add_argument("--shape", action="append", type=parse_shape, metavar="T,N,D,l,d,seqs",
                         help="a problem to run (repeatable); default: the three reference "
                              "shapes")
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES),

@@ -1,0 +1,114 @@
+"""asv benchmarks of nsa_numba's forward and backward.
+
+Shapes are the reference ones of ``python -m nsa_numba bench``. Compilation is
+warmed up in ``setup`` (never at import: a parallel Numba call while asv imports
+the module breaks its forkserver with some threading layers). ``track_`` figures
+relate time to the memory copy bandwidth measured in the same ``setup``.
+"""
+
+import numpy as np
+
+from nsa_numba import bench, nsa_compress, nsa_compress_grad
+
+SHAPES = {f"T={T},N={N},D={D},l={l},d={d},seqs={s}": (T, N, D, l, d, s)
+          for T, N, D, l, d, s in bench.DEFAULT_SHAPES}
+PARAMS = [list(SHAPES), ["bf16", "fp16"]]
+PARAM_NAMES = ["shape", "dtype"]
+
+
+class _Problem:
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 300
+
+    def setup(self, shape, dtype):
+        case = bench.Case(*SHAPES[shape], dtype=dtype)
+        self.case = case
+        self.x, self.w, self.g, self.out, self.seq = bench.make_data(case)
+        self.dx = np.empty(self.x.shape, self.x.dtype)
+        self.dw = np.empty_like(self.w)
+        self.forward()          # compile (or load from the cache) outside the timing
+        self.backward()
+
+    def forward(self):
+        nsa_compress(self.x, self.w, self.case.block, self.case.stride,
+                     actual_seq_len=self.seq, out=self.out)
+
+    def backward(self):
+        nsa_compress_grad(self.g, self.x, self.w, self.case.block, self.case.stride,
+                          actual_seq_len=self.seq, input_grad=self.dx, weight_grad=self.dw)
+
+
+class Forward(_Problem):
+    def time_forward(self, shape, dtype):
+        self.forward()
+
+    def peakmem_forward(self, shape, dtype):
+        self.forward()
+
+
+class Backward(_Problem):
+    def time_backward(self, shape, dtype):
+        self.backward()
+
+    def peakmem_backward(self, shape, dtype):
+        self.backward()
+
+
+class Throughput(_Problem):
+    """GB/s and % of the same-run copy bandwidth (best of a few calls)."""
+    repeat = 1
+    number = 1
+
+    def setup(self, shape, dtype):
+        super().setup(shape, dtype)
+        item = self.x.dtype.itemsize
+        self.copy_gbs = bench.copy_bandwidth(2 * self.x.nbytes, 5)
+        t_fwd = bench.best_time(self.forward, 5)
+        t_bwd = bench.best_time(self.backward, 5)
+        self.fwd_gbs = (self.x.size + self.out.size) * item / t_fwd / 1e9
+        self.bwd_gbs = (2 * self.x.size + self.g.size) * item / t_bwd / 1e9
+
+    def track_forward_gbs(self, shape, dtype):
+        return self.fwd_gbs
+
+    def track_backward_gbs(self, shape, dtype):
+        return self.bwd_gbs
+
+    def track_forward_pct_of_copy(self, shape, dtype):
+        return 100 * self.fwd_gbs / self.copy_gbs
+
+    def track_backward_pct_of_copy(self, shape, dtype):
+        return 100 * self.bwd_gbs / self.copy_gbs
+
+    track_forward_gbs.unit = track_backward_gbs.unit = "GB/s"
+    track_forward_pct_of_copy.unit = track_backward_pct_of_copy.unit = "%"
+
+
+_FIRST_CALL = """
+import numpy as np
+import nsa_numba
+x = np.ones((272, 64, 128), np.float16)
+w = np.ones((32, 64), np.float16)
+y = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[0, 128, 272])
+nsa_numba.nsa_compress_grad(y, x, w, 32, 16, actual_seq_len=[0, 128, 272])
+"""
+
+
+class FirstCall:
+    """import + first forward + first backward in a new interpreter."""
+    timeout = 300
+    repeat = 3
+    number = 1
+
+    def setup_cache(self):
+        import subprocess
+        import sys
+        subprocess.run([sys.executable, "-c", _FIRST_CALL], check=True)  # fill the cache
+
+    def timeraw_first_call_warm_cache(self):
+        return _FIRST_CALL
+
+    def timeraw_first_call_cold_cache(self):
+        return ("import os, tempfile\n"
+                "os.environ['NUMBA_CACHE_DIR'] = tempfile.mkdtemp()\n" + _FIRST_CALL)

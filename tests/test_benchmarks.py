@@ -1,0 +1,63 @@
+"""The benchmark tooling runs: the asv suite (checked and exercised once) and ``bench``."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ASV_DIR = pathlib.Path(__file__).resolve().parent.parent / "asv_bench"
+sys.path.insert(0, str(ASV_DIR))
+
+from benchmarks import bench_compress as suite  # noqa: E402
+
+
+def test_asv_check_finds_no_problems():
+    proc = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same"],
+                          cwd=ASV_DIR, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "No problems found" in proc.stdout
+
+
+@pytest.mark.parametrize("cls", [suite.Forward, suite.Backward, suite.Throughput])
+def test_benchmark_classes_run_once(cls):
+    shape = suite.PARAMS[0][0]
+    bench = cls()
+    bench.setup(shape, "bf16")
+    for name in dir(bench):
+        if name.startswith(("time_", "peakmem_", "track_")):
+            value = getattr(bench, name)(shape, "bf16")
+            if name.startswith("track_"):
+                assert value > 0
+
+
+def test_first_call_snippet_runs():
+    code = suite.FirstCall().timeraw_first_call_warm_cache()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_command_small_case(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
+         "--dtype", "bf16", "--repeat", "2", "--no-torch", "--strided", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert "copy bandwidth" in proc.stdout and "backward" in proc.stdout
+    assert "[1/2]" in proc.stderr and "[2/2]" in proc.stderr      # progress
+    data = json.loads(out.read_text())
+    assert [r["case"]["strided"] for r in data["results"]] == [False, True]
+    for r in data["results"]:
+        for op in ("forward", "backward"):
+            assert r[op]["ms"] > 0 and r[op]["gbs"] > 0 and r[op]["pct_copy"] > 0
+
+
+def test_bench_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--shape", "1,2,3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "T,N,D,l,d,seqs" in proc.stderr
