@@ -17,7 +17,8 @@ from nsa_numba.aclnn import (ACLNN_ERR_INNER, ACLNN_ERR_PARAM_INVALID,
                              aclnnNsaCompressGrad, aclnnNsaCompressGradGetWorkspaceSize,
                              aclSetAclOpExecutorRepeatable)
 from conftest import HALF_DTYPES, assert_forward_accurate, assert_grad_accurate
-from test_validation import RULES, TP, good
+from test_validation import good
+from test_validation import rule_cases as _rule_cases
 
 # Python API name -> C API name, per operator
 FORWARD_NAMES = {"compress_block_size": "compressBlockSize", "compress_stride":
@@ -68,12 +69,6 @@ def assert_untouched(before):
 
 def snapshot(outputs):
     return {k: (v, v.copy()) for k, v in outputs.items()}
-
-
-def _rule_cases():
-    for rid, ops, change, status, fragments in RULES:
-        for op in ops:
-            yield pytest.param(op, change, status, fragments, id=f"{op}-{rid}")
 
 
 @pytest.mark.parametrize("op,change,status,fragments", list(_rule_cases()))
@@ -161,7 +156,7 @@ RUN_FAILURES = {
     "workspace-list": (lambda ws, n, ex: ([0] * n, n, ex, None), ACLNN_ERR_PARAM_INVALID,
                        "workspace must be a numpy.ndarray, got list"),
     "workspace-small": (lambda ws, n, ex: (ws[:n - 1], n, ex, None), ACLNN_ERR_PARAM_INVALID,
-                        f"workspace holds"),
+                        "workspace holds"),
     "size-small": (lambda ws, n, ex: (ws, n - 1, ex, None), ACLNN_ERR_PARAM_INVALID,
                    "workspaceSize must be at least"),
     "size-float": (lambda ws, n, ex: (ws, float(n), ex, None), ACLNN_ERR_PARAM_INVALID,

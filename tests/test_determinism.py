@@ -8,7 +8,6 @@ import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 import nsa_numba

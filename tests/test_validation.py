@@ -135,13 +135,14 @@ RULES = [
 ]
 
 
-def _cases():
+def rule_cases():
+    """pytest params (op, change, status, fragments) for every rule and operator."""
     for rid, ops, change, status, fragments in RULES:
         for op in ops:
             yield pytest.param(op, change, status, fragments, id=f"{op}-{rid}")
 
 
-@pytest.mark.parametrize("op,change,status,fragments", list(_cases()))
+@pytest.mark.parametrize("op,change,status,fragments", list(rule_cases()))
 def test_rule(op, change, status, fragments):
     args = good()
     args.update(change)
