@@ -1,8 +1,9 @@
 """The compiled kernels. They take only preallocated arrays and integers.
 
-Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs in
-their storage dtype with any strides, ``wt`` as the weight transposed to ``[N, l]``
-in the accumulator dtype, ``tiles`` as the table from ``_plan.tile_schedule``.
+Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs as
+``[B, S, N, D]`` views (``_layouts``) in their storage dtype with any strides,
+``wt`` as the weight transposed to ``[N, l]`` in the accumulator dtype, ``tiles``
+as the table from ``_plan.tile_schedule``.
 
 Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
 it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
@@ -33,8 +34,8 @@ CACHE_DEPENDS = {
 }
 
 # columns of the tile table (see _plan.tile_schedule)
-S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(9)
-N_TILE_COLUMNS = 9
+BATCH, S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(10)
+N_TILE_COLUMNS = 10
 
 
 @jit
@@ -78,12 +79,13 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
     keeps the windows open at the current token in a ring of ceil(l / d) slots.
     ``scratch`` holds one row per thread (``forward_scratch_elements``).
     """
-    N = x.shape[1]
-    D = x.shape[2]
+    N = x.shape[2]
+    D = x.shape[3]
     block = wt.shape[1]
     ring_size = (block + stride - 1) // stride
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
+        b = tiles[tile, BATCH]
         s0 = tiles[tile, S0]
         i0 = tiles[tile, I0]
         i1 = tiles[tile, I1]
@@ -99,7 +101,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
             if rel == hi * stride:
                 ring[hi % ring_size] = 0  # window hi opens here
             for n in range(N):
-                xr = x[t, n]
+                xr = x[b, t, n]
                 ja = rel - lo * stride
                 acc_a = ring[lo % ring_size, n]
                 wa = wt[n, ja]
@@ -123,7 +125,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
             if rel == lo * stride + block - 1:  # window lo closes here
                 done = ring[lo % ring_size]
                 for n in range(N):
-                    _encode_row(done[n], out[row0 + lo, n], out)
+                    _encode_row(done[n], out[b, row0 + lo, n], out)
 
 
 @jit_parallel
@@ -142,12 +144,13 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
     Gradient rows are decoded into a ring of ceil(l / d) slots as their windows
     open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
     """
-    N = x.shape[1]
-    D = x.shape[2]
+    N = x.shape[2]
+    D = x.shape[3]
     block = wt.shape[1]
     ring_size = (block + stride - 1) // stride
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
+        b = tiles[tile, BATCH]
         s0 = tiles[tile, S0]
         tok_lo = tiles[tile, TOK_LO]
         tok_hi = tiles[tile, TOK_HI]
@@ -169,19 +172,19 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
             lo, hi = _covering(rel, block, stride, first, last)
             if lo > hi:  # no window covers t
                 for n in range(N):
-                    orow = ig[t, n]
+                    orow = ig[b, t, n]
                     for e in range(D):
                         orow[e] = narrow(zero, ig)
                 continue
             while next_window <= hi:
                 slot = gring[next_window % ring_size]
                 for n in range(N):
-                    _decode_row(g[row0 + next_window, n], slot[n])
+                    _decode_row(g[b, row0 + next_window, n], slot[n])
                 next_window += 1
             ja = rel - lo * stride
             for n in range(N):
-                xr = x[t, n]
-                orow = ig[t, n]
+                xr = x[b, t, n]
+                orow = ig[b, t, n]
                 wa = wt[n, ja]
                 ga = gring[lo % ring_size, n]
                 la = lanes[ja, n]

@@ -47,7 +47,8 @@ import numpy as np
 from . import _seqlens
 from ._errors import invalid, missing
 from . import _kernels
-from ._kernels import G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
+from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
+from ._layouts import LAYOUTS
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -105,23 +106,25 @@ class Plan:
     """A validated problem, ready to run.
 
     ``arrays`` maps role names (``input``, ``weight``, ``grad``, ``out``,
-    ``input_grad``, ``weight_grad``) to the caller's arrays; ``storage(role)`` gives
-    the view the kernels take.
+    ``input_grad``, ``weight_grad``) to the caller's arrays, ``views`` the big ones to
+    their ``[B, S, N, D]`` views; ``storage(role)`` gives what the kernels take.
     """
     op: str
     dtype: np.dtype
-    T: int
+    layout: str
+    B: int
+    S: int                         # tokens per batch row (T for TND)
     N: int
     D: int
     block: int
     stride: int
-    seq_offsets: np.ndarray        # [B + 1] token offsets
-    window_offsets: np.ndarray     # [B + 1] output-row offsets; last = T'
-    tiles: np.ndarray              # [n_tiles, N_TILE_COLUMNS] int64, columns S0 ... G1
+    out_rows: int                  # windows per batch row (T' for TND)
+    tiles: np.ndarray              # [n_tiles, N_TILE_COLUMNS] int64, columns BATCH ... G1
     partial_elements: int          # weight-gradient partials at the workspace start
     scratch_slots: int             # per-thread scratch rows after them
     scratch_elements: int          # elements per row
     arrays: dict
+    views: dict
 
     @property
     def workspace_bytes(self):
@@ -129,15 +132,12 @@ class Plan:
         return count * self.accumulator.itemsize
 
     @property
-    def n_windows(self):
-        return int(self.window_offsets[-1])
-
-    @property
     def accumulator(self):
         return ACCUMULATOR[kind_of(self.dtype)]
 
     def storage(self, role):
-        return self.arrays[role].view(STORAGE[kind_of(self.dtype)])
+        source = self.views.get(role, self.arrays[role])
+        return source.view(STORAGE[kind_of(self.dtype)])
 
 
 # -- argument checks -------------------------------------------------------------
@@ -215,14 +215,15 @@ def _check_window(rules, block, stride, forward):
 def _check_layout(rules, layout):
     name = rules.names["layout"]
     if layout is None:
-        return "TND"
+        return LAYOUTS["TND"]
     if not isinstance(layout, str):
         raise invalid(rules.op, f"{name} must be a string or None, got {layout!r} "
                                 f"({type(layout).__name__})")
-    if layout != "TND":
-        raise invalid(rules.op, f"{name} must be 'TND' (or None, meaning TND), "
-                                f"got {layout!r}")
-    return layout
+    if layout not in LAYOUTS:
+        choices = ", ".join(repr(k) for k in LAYOUTS)
+        raise invalid(rules.op, f"{name} must be one of {choices} (or None, meaning "
+                                f"'TND'), got {layout!r}")
+    return LAYOUTS[layout]
 
 
 def _check_seq_type(rules, seq_type):
@@ -240,30 +241,64 @@ def _check_present(rules, **arrays):
             raise missing(rules.op, rules.names[key])
 
 
-def _check_input_and_weight(rules, x, weight, block):
-    x = _check_array(rules, "input", x, 3, "[T, N, D]")
+def _check_input_and_weight(rules, layout, x, weight, block):
+    """(x, weight, (B, S, N, D))."""
+    x = _check_array(rules, "input", x, layout.ndim, _dims(rules, layout))
     weight = _check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
     _check_same_dtype(rules, x.dtype, "weight", weight)
-    T, N, D = x.shape
+    xname, wname = rules.names["input"], rules.names["weight"]
+    heads = weight.shape[1]
+    if layout.name in ("BSH", "SBH"):
+        H = x.shape[2]
+        if heads == 0 or H % heads:
+            raise invalid(rules.op, f"{xname} hidden size H = shape[2] = {H} must be a "
+                                    f"multiple of N = {wname}.shape[1] = {heads} "
+                                    f"(H = N * D with {_layout_is(rules, layout)})")
+    B, S, N, D = layout.sizes(x.shape, heads)
     if rules.strict and D % 16:
-        raise invalid(rules.op, f"{rules.names['input']} head dim D = shape[2] must be a "
-                                f"multiple of 16, got {D}")
+        raise invalid(rules.op, f"{xname} head dim D must be a multiple of 16, got {D} "
+                                f"(shape {x.shape} with {_layout_is(rules, layout)})")
     if weight.shape != (block, N):
-        raise invalid(rules.op, f"{rules.names['weight']} must have shape "
-                                f"({rules.names['block']}, N) = ({block}, {N}), "
-                                f"got {weight.shape}")
-    return x, weight
+        raise invalid(rules.op, f"{wname} must have shape ({rules.names['block']}, N) = "
+                                f"({block}, {N}), got {weight.shape}")
+    return x, weight, (B, S, N, D)
 
 
-def _geometry(rules, T, block, stride, actual_seq_len, seq_type):
-    offsets = _seqlens.sequence_offsets(rules.op, actual_seq_len, seq_type, T, rules.names)
-    counts = _seqlens.window_counts(np.diff(offsets), block, stride)
-    win_offsets = _seqlens.window_offsets(counts)
-    if rules.strict and win_offsets[-1] == 0:
+@dataclass(frozen=True)
+class Sequences:
+    """Where each sequence lives and where its windows go, one entry per sequence."""
+    batch: np.ndarray       # batch row of the [B, S, N, D] view
+    start: np.ndarray       # first token, within that row
+    length: np.ndarray      # tokens
+    first_row: np.ndarray   # output row (within the batch row) of its first window
+    windows: np.ndarray     # windows
+    out_rows: int           # output rows per batch row: T' (TND) or S'
+
+
+def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
+    name = rules.names["actual_seq_len"]
+    if layout.packed:
+        offsets = _seqlens.sequence_offsets(rules.op, actual_seq_len, seq_type, S,
+                                            rules.names)
+        lengths = np.diff(offsets)
+        counts = _seqlens.window_counts(lengths, block, stride)
+        rows = _seqlens.window_offsets(counts)
+        seqs = Sequences(np.zeros(lengths.size, np.int64), offsets[:-1], lengths, rows[:-1],
+                         counts, int(rows[-1]))
+    else:
+        if actual_seq_len is not None:
+            raise invalid(rules.op, f"{name} must be None with {_layout_is(rules, layout)} "
+                                    f"(each batch row is one sequence of length S), got "
+                                    f"{_seqlens._show(np.atleast_1d(actual_seq_len))}")
+        lengths = np.full(B, S, np.int64)
+        counts = _seqlens.window_counts(lengths, block, stride)
+        seqs = Sequences(np.arange(B, dtype=np.int64), np.zeros(B, np.int64), lengths,
+                         np.zeros(B, np.int64), counts, int(counts[0]) if B else 0)
+    if rules.strict and not seqs.windows.any():
         raise invalid(rules.op, f"no sequence is as long as {rules.names['block']} = "
                                 f"{block}, so there is no window (T' = 0); sequence "
-                                f"lengths {_seqlens._show(np.diff(offsets))}")
-    return offsets, win_offsets
+                                f"lengths {_seqlens._show(seqs.length)}")
+    return seqs
 
 
 # -- tile schedule ---------------------------------------------------------------
@@ -277,27 +312,26 @@ def windows_per_tile(block, stride, N, D):
     return max(1, by_block, by_size)
 
 
-def tile_schedule(seq_offsets, win_offsets, block, stride, N, D):
+def tile_schedule(seqs, block, stride, N, D):
     """The tile table described in the module docstring, one row per tile.
 
-    Columns (named in ``_kernels``): S0 sequence start token, NW windows in the
-    sequence, KW0 output row of its first window, I0..I1 the tile's windows
-    (sequence-local), TOK_LO..TOK_HI the tokens whose input gradient it owns,
-    G0..G1 the windows that touch those tokens.
+    Columns (named in ``_kernels``): BATCH the batch row, S0 sequence start token
+    (within the row), NW windows in the sequence, KW0 output row of its first
+    window, I0..I1 the tile's windows (sequence-local), TOK_LO..TOK_HI the tokens
+    whose input gradient it owns, G0..G1 the windows that touch those tokens.
     """
-    starts = seq_offsets[:-1]
-    lengths = np.diff(seq_offsets)
-    counts = np.diff(win_offsets)
     per_tile = windows_per_tile(block, stride, N, D)
+    counts, lengths = seqs.windows, seqs.length
     n_tiles = np.where(counts > 0, -(-counts // per_tile), (lengths > 0).astype(np.int64))
-    seq = np.repeat(np.arange(starts.size), n_tiles)
-    first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1]))
+    seq = np.repeat(np.arange(counts.size), n_tiles)
+    first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1])).astype(np.int64)
     c = np.arange(seq.size, dtype=np.int64) - np.repeat(first_tile, n_tiles)
     tiles = np.empty((seq.size, N_TILE_COLUMNS), dtype=np.int64)
-    s0, nw = starts[seq], counts[seq]
+    s0, nw = seqs.start[seq], counts[seq]
+    tiles[:, BATCH] = seqs.batch[seq]
     tiles[:, S0] = s0
     tiles[:, NW] = nw
-    tiles[:, KW0] = win_offsets[:-1][seq]
+    tiles[:, KW0] = seqs.first_row[seq]
     tiles[:, I0] = np.minimum(c * per_tile, nw)
     tiles[:, I1] = np.minimum(tiles[:, I0] + per_tile, nw)
     tiles[:, TOK_LO] = np.where(c == 0, s0, s0 + tiles[:, I0] * stride)
@@ -320,22 +354,34 @@ def scratch_slots():
 
 # -- the two planners ------------------------------------------------------------
 
+def _layout_is(rules, layout):
+    return f"{rules.names['layout']}={layout.name!r}"
+
+
+def _dims(rules, layout):
+    return f"[{layout.dims}] ({_layout_is(rules, layout)})"
+
+
+def _window_dims(rules, layout):
+    return f"[{layout.dims}] ({_layout_is(rules, layout)}, windows in place of tokens)"
+
+
 def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layout, out):
     _check_present(rules, input=x, weight=weight,
                    **({} if rules.allocate_outputs else {"out": out}))
     block, stride = _check_window(rules, block, stride, forward=True)
-    x, weight = _check_input_and_weight(rules, x, weight, block)
-    _check_layout(rules, layout)
+    layout = _check_layout(rules, layout)
+    x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
     seq_type = _check_seq_type(rules, seq_type)
-    T, N, D = x.shape
-    offsets, win_offsets = _geometry(rules, T, block, stride, actual_seq_len, seq_type)
-    out = _check_output(rules, "out", out, (int(win_offsets[-1]), N, D), x.dtype,
-                        "[T', N, D]")
-    tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
+    seqs = _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type)
+    out = _check_output(rules, "out", out, layout.shape(B, seqs.out_rows, N, D), x.dtype,
+                        _window_dims(rules, layout))
+    tiles = tile_schedule(seqs, block, stride, N, D)
     scratch = _kernels.forward_scratch_elements(N, D, block, stride)
-    return Plan("forward", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
-                0, scratch_slots(), _round16(scratch),
-                {"input": x, "weight": weight, "out": out})
+    return Plan("forward", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
+                tiles, 0, scratch_slots(), _round16(scratch),
+                {"input": x, "weight": weight, "out": out},
+                {"input": layout.view4(x, N), "out": layout.view4(out, N)})
 
 
 def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, layout,
@@ -344,23 +390,27 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
                                                   "weight_grad": weight_grad}
     _check_present(rules, grad=grad, input=x, weight=weight, **outputs)
     block, stride = _check_window(rules, block, stride, forward=False)
-    grad = _check_array(rules, "grad", grad, 3, "[T', N, D]")
-    x, weight = _check_input_and_weight(rules, x, weight, block)
+    layout = _check_layout(rules, layout)
+    x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
+    grad = _check_array(rules, "grad", grad, layout.ndim, _window_dims(rules, layout))
     _check_same_dtype(rules, x.dtype, "grad", grad)
-    _check_layout(rules, layout)
     seq_type = _check_seq_type(rules, seq_type)
-    T, N, D = x.shape
-    offsets, win_offsets = _geometry(rules, T, block, stride, actual_seq_len, seq_type)
-    expected = (int(win_offsets[-1]), N, D)
+    seqs = _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type)
+    expected = layout.shape(B, seqs.out_rows, N, D)
     if grad.shape != expected:
-        raise invalid(rules.op, f"{rules.names['grad']} must have shape [T', N, D] = "
-                                f"{expected} (T' = number of windows), got {grad.shape}")
-    input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype, "[T, N, D]")
+        raise invalid(rules.op, f"{rules.names['grad']} must have shape "
+                                f"{_window_dims(rules, layout)} = {expected} (the windows of each "
+                                f"sequence), got {grad.shape}")
+    input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype,
+                               _dims(rules, layout))
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
-    tiles = tile_schedule(offsets, win_offsets, block, stride, N, D)
+    tiles = tile_schedule(seqs, block, stride, N, D)
     scratch = _kernels.backward_scratch_elements(N, D, block, stride)
-    return Plan("grad", x.dtype, T, N, D, block, stride, offsets, win_offsets, tiles,
-                _round16(tiles.shape[0] * N * block), scratch_slots(), _round16(scratch),
+    return Plan("grad", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
+                tiles, _round16(tiles.shape[0] * N * block), scratch_slots(),
+                _round16(scratch),
                 {"grad": grad, "input": x, "weight": weight,
-                 "input_grad": input_grad, "weight_grad": weight_grad})
+                 "input_grad": input_grad, "weight_grad": weight_grad},
+                {"grad": layout.view4(grad, N), "input": layout.view4(x, N),
+                 "input_grad": layout.view4(input_grad, N)})

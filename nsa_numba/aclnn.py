@@ -97,8 +97,9 @@ class aclOpExecutor:
         if self.destroyed:
             return "<aclOpExecutor destroyed>"
         kind = "repeatable " if self.repeatable else ""
-        return (f"<aclOpExecutor {kind}{self.plan.op} T={self.plan.T} N={self.plan.N} "
-                f"D={self.plan.D} workspace={self.plan.workspace_bytes} B runs={self.runs}>")
+        p = self.plan
+        return (f"<aclOpExecutor {kind}{p.op} {p.layout} B={p.B} S={p.S} N={p.N} D={p.D} "
+                f"workspace={p.workspace_bytes} bytes runs={self.runs}>")
 
 
 def _get_workspace_size(rules, planner, *args):

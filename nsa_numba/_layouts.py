@@ -1,0 +1,75 @@
+"""Tensor layouts: every one is a stride view ``[B, S, N, D]`` for the kernels.
+
+=======  ===============  =========================================================
+layout   input shape      sequences
+=======  ===============  =========================================================
+TND      [T, N, D]        packed back to back; ``actual_seq_len`` says where they
+                          end (viewed as B = 1, S = T)
+BSND     [B, S, N, D]     each batch row is one sequence of length S
+BNSD     [B, N, S, D]     same, heads before tokens
+BSH      [B, S, H]        same, H = N * D with N = weight.shape[1]
+SBH      [S, B, H]        same, tokens before batch
+=======  ===============  =========================================================
+
+The forward output keeps the input's layout with the token axis holding the
+windows instead (T' for TND, S' = (S - l) // d + 1 per row otherwise); the input
+gradient has the input's layout. No layout ever copies data.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    dims: str          # the axes, for messages
+
+    @property
+    def ndim(self):
+        return len(self.dims.split(","))
+
+    @property
+    def packed(self):
+        return self.name == "TND"
+
+    def sizes(self, shape, heads):
+        """(B, S, N, D) of an array of ``shape``; ``heads`` is N for BSH / SBH."""
+        if self.name == "TND":
+            T, N, D = shape
+            return 1, T, N, D
+        if self.name == "BSND":
+            return shape
+        if self.name == "BNSD":
+            B, N, S, D = shape
+            return B, S, N, D
+        if self.name == "BSH":
+            B, S, H = shape
+        else:
+            S, B, H = shape
+        return B, S, heads, H // heads
+
+    def shape(self, B, S, N, D):
+        """The shape of a ``[B, S, N, D]`` problem in this layout."""
+        return {"TND": (S, N, D), "BSND": (B, S, N, D), "BNSD": (B, N, S, D),
+                "BSH": (B, S, N * D), "SBH": (S, B, N * D)}[self.name]
+
+    def view4(self, a, heads):
+        """``a`` as a ``[B, S, N, D]`` view (never a copy)."""
+        if self.name == "TND":
+            return a[None]
+        if self.name == "BSND":
+            return a
+        if self.name == "BNSD":
+            return a.transpose(0, 2, 1, 3)
+        bsh = a if self.name == "BSH" else a.transpose(1, 0, 2)
+        B, S, H = bsh.shape
+        view = bsh.reshape(B, S, heads, H // heads)   # splitting one axis never copies
+        assert view.size == 0 or np.shares_memory(view, a)
+        return view
+
+
+LAYOUTS = {layout.name: layout for layout in (
+    Layout("TND", "T, N, D"), Layout("BSND", "B, S, N, D"), Layout("BNSD", "B, N, S, D"),
+    Layout("BSH", "B, S, H"), Layout("SBH", "S, B, H"))}
