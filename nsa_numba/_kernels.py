@@ -33,6 +33,11 @@ CACHE_DEPENDS = {
     "_jit.py": "91fc5f6e88a5a702",
 }
 
+#: tokens per pass over D in compress_forward's common paths
+GROUP = 4
+#: token rows (N * D elements) shorter than this use compress_forward_rows
+GROUPED_MIN_ROW = 2048
+
 # columns of the tile table (see _plan.tile_schedule)
 BATCH, S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(10)
 N_TILE_COLUMNS = 10
@@ -71,13 +76,108 @@ def ring_slots(block, stride):
     return (block + stride - 1) // stride
 
 
+@jit
+def _segment_end(rel, lo, hi, last, block, stride, end):
+    """First position after ``rel`` where the set of covering windows changes.
+
+    Windows open at multiples of ``stride`` and close ``block`` later; ``lo..hi``
+    cover ``rel`` (``lo > hi``: none does), ``last`` is the last window of interest.
+    """
+    nxt = (hi + 1) * stride if hi < last else end
+    if lo <= hi:
+        nxt = min(nxt, lo * stride + block)
+    return min(nxt, end)
+
+
 @jit_parallel
 def compress_forward(x, wt, out, tiles, stride, scratch):
     """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
 
     A unit is one tile, all heads: it streams the tile's tokens in memory order and
-    keeps the windows open at the current token in a ring of ceil(l / d) slots.
-    ``scratch`` holds one row per thread (``forward_scratch_elements``).
+    keeps the windows open at the current token in a ring of ceil(l / d) slots. The
+    tokens are walked in segments over which the covering windows do not change,
+    GROUP tokens per pass over D: each window sum still adds its terms one token
+    at a time, in order. ``scratch`` holds one row per thread
+    (``forward_scratch_elements``).
+    """
+    N = x.shape[2]
+    D = x.shape[3]
+    block = wt.shape[1]
+    ring_size = (block + stride - 1) // stride
+    for unit in prange(tiles.shape[0]):
+        tile = np.int64(unit)
+        b = tiles[tile, BATCH]
+        s0 = tiles[tile, S0]
+        i0 = tiles[tile, I0]
+        i1 = tiles[tile, I1]
+        row0 = tiles[tile, KW0]
+        mine = scratch[get_thread_id()]
+        ring = mine[:ring_size * N * D].reshape((ring_size, N, D))
+        xf = mine[ring_size * N * D:ring_size * N * D + D]
+        rel = i0 * stride
+        rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
+        while rel < rel_end:
+            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
+            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+            if lo > hi:           # between windows (d > l): never read
+                rel = nxt
+                continue
+            if rel == hi * stride:
+                ring[hi % ring_size] = 0  # window hi opens here
+            for r in range(rel, nxt, GROUP):
+                t = s0 + r
+                ja = r - lo * stride
+                full = r + GROUP <= nxt
+                for n in range(N):
+                    acc_a = ring[lo % ring_size, n]
+                    w = wt[n]
+                    if full and lo == hi:
+                        x0 = x[b, t, n]
+                        x1 = x[b, t + 1, n]
+                        x2 = x[b, t + 2, n]
+                        x3 = x[b, t + 3, n]
+                        a0, a1, a2, a3 = w[ja], w[ja + 1], w[ja + 2], w[ja + 3]
+                        for e in range(D):
+                            acc_a[e] = (((acc_a[e] + a0 * widen(x0[e])) + a1 * widen(x1[e]))
+                                        + a2 * widen(x2[e])) + a3 * widen(x3[e])
+                    elif full and lo + 1 == hi:  # the common case l <= 2d
+                        acc_b = ring[hi % ring_size, n]
+                        jb = ja - stride
+                        x0 = x[b, t, n]
+                        x1 = x[b, t + 1, n]
+                        x2 = x[b, t + 2, n]
+                        x3 = x[b, t + 3, n]
+                        a0, a1, a2, a3 = w[ja], w[ja + 1], w[ja + 2], w[ja + 3]
+                        b0, b1, b2, b3 = w[jb], w[jb + 1], w[jb + 2], w[jb + 3]
+                        for e in range(D):
+                            v0 = widen(x0[e])
+                            v1 = widen(x1[e])
+                            v2 = widen(x2[e])
+                            v3 = widen(x3[e])
+                            acc_a[e] = (((acc_a[e] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3
+                            acc_b[e] = (((acc_b[e] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3
+                    else:                 # a short group, or more than two windows
+                        for q in range(r, min(r + GROUP, nxt)):
+                            _decode_row(x[b, s0 + q, n], xf)
+                            for i in range(lo, hi + 1):
+                                acc = ring[i % ring_size, n]
+                                wi = w[q - i * stride]
+                                for e in range(D):
+                                    acc[e] += wi * xf[e]
+            if nxt == lo * stride + block:  # window lo closed at nxt - 1
+                done = ring[lo % ring_size]
+                for n in range(N):
+                    _encode_row(done[n], out[b, row0 + lo, n], out)
+            rel = nxt
+
+
+@jit_parallel
+def compress_forward_rows(x, wt, out, tiles, stride, scratch):
+    """``compress_forward`` one token per pass over D: faster for short token rows.
+
+    Same arguments, same sums in the same order, so the same bits; ``_dispatch``
+    picks it when N * D < GROUPED_MIN_ROW (measured: the grouped passes cost more
+    than they save on short rows).
     """
     N = x.shape[2]
     D = x.shape[3]
