@@ -190,6 +190,28 @@ def _check_output(rules, key, a, shape, dtype, dims):
     return a
 
 
+def overlaps(a, b):
+    """Whether two arrays share memory; when that is too hard to decide, assume so."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 20))
+    except np.exceptions.TooHardError:
+        return True
+
+
+def _check_no_overlap(rules, outputs, inputs):
+    """Caller-provided outputs must not share memory with the inputs or each other."""
+    keys = list(outputs)
+    for i, okey in enumerate(keys):
+        others = list(inputs.items()) + [(k, outputs[k]) for k in keys[i + 1:]]
+        for key, a in others:
+            if overlaps(outputs[okey], a):
+                raise invalid(rules.op, f"{rules.names[okey]} overlaps {rules.names[key]} in "
+                                        f"memory; outputs must not share memory with the "
+                                        f"inputs or with each other")
+
+
 def _check_window(rules, block, stride, forward):
     lname, dname = rules.names["block"], rules.names["stride"]
     block = _check_int(rules, "block", block)
@@ -374,8 +396,10 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
     seq_type = _check_seq_type(rules, seq_type)
     seqs = _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type)
+    given = {"out": out} if out is not None else {}
     out = _check_output(rules, "out", out, layout.shape(B, seqs.out_rows, N, D), x.dtype,
                         _window_dims(rules, layout))
+    _check_no_overlap(rules, given, {"input": x, "weight": weight})
     tiles = tile_schedule(seqs, block, stride, N, D)
     scratch = _kernels.forward_scratch_elements(N, D, block, stride)
     return Plan("forward", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
@@ -401,10 +425,13 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
         raise invalid(rules.op, f"{rules.names['grad']} must have shape "
                                 f"{_window_dims(rules, layout)} = {expected} (the windows of each "
                                 f"sequence), got {grad.shape}")
+    given = {k: v for k, v in (("input_grad", input_grad), ("weight_grad", weight_grad))
+             if v is not None}
     input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype,
                                _dims(rules, layout))
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
+    _check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
     tiles = tile_schedule(seqs, block, stride, N, D)
     scratch = _kernels.backward_scratch_elements(N, D, block, stride)
     return Plan("grad", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,

@@ -30,7 +30,7 @@ import numpy as np
 from . import _dispatch
 from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
                       ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
-from ._plan import BFLOAT16, FLOAT16, Rules, plan_forward, plan_grad
+from ._plan import BFLOAT16, FLOAT16, Rules, overlaps, plan_forward, plan_grad
 
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID",
@@ -176,6 +176,9 @@ def _check_run(op, kind, workspace, workspace_size, executor, stream):
     if workspace.nbytes < workspace_size:
         raise NsaError(f"{op}: workspace holds {workspace.nbytes} bytes, fewer than "
                        f"workspaceSize = {workspace_size}")
+    for role, array in executor.plan.arrays.items():
+        if overlaps(workspace, array):
+            raise NsaError(f"{op}: workspace overlaps the {role} tensor in memory")
     return workspace.reshape(-1).view(np.uint8)
 
 

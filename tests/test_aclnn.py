@@ -377,3 +377,12 @@ def test_seed_c_example_all_ones():
     assert np.array_equal(inputGradOut[:, 0, 0].astype(np.float64), cover)
     assert np.all(inputGradOut == inputGradOut[:, :1, :1])
     assert np.all(weightGradOut == 1920)
+
+
+def test_workspace_must_not_overlap_the_tensors():
+    args, size, executor = prepared_grad()
+    before = snapshot(outputs_of(args, "grad"))
+    inside = args["input"].reshape(-1).view(np.uint8)[:size]
+    assert aclnnNsaCompressGrad(inside, size, executor) == ACLNN_ERR_PARAM_INVALID
+    assert "workspace overlaps the input tensor" in aclGetRecentErrMsg()
+    assert_untouched(before)

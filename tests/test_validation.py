@@ -180,3 +180,43 @@ def test_numpy_integers_are_integers(value):
     call_forward(args)
     args["seq"] = np.array(SEQ, dtype=np.uint16)
     call_grad(args)
+
+
+def _big():
+    return np.zeros((T, N, D), np.float16)
+
+
+OVERLAPS = [
+    ("forward", lambda a: dict(out=a["input"][:TP]), "out overlaps input in memory"),
+    ("grad", lambda a: dict(input_grad=a["input"]), "input_grad overlaps input in memory"),
+    ("grad", lambda a: dict(weight_grad=a["weight"]), "weight_grad overlaps weight in memory"),
+    ("grad", lambda a: (lambda big: dict(input_grad=big, weight_grad=big[:L, 0, :N]))(_big()),
+     "input_grad overlaps weight_grad in memory"),
+    ("grad", lambda a: dict(input_grad=np.lib.stride_tricks.as_strided(
+        a["grad"], (T, N, D), (0,) + a["grad"].strides[1:], writeable=True)),
+     "input_grad overlaps grad in memory"),
+]
+
+
+@pytest.mark.parametrize("op,make,fragment", OVERLAPS)
+def test_outputs_must_not_overlap_inputs(op, make, fragment):
+    args = good()
+    args.update(make(args))
+    before = {k: v.copy() for k, v in args.items() if isinstance(v, np.ndarray)}
+    with pytest.raises(NsaError, match=fragment) as info:
+        (call_forward if op == "forward" else call_grad)(args)
+    assert info.value.status == 161002
+    for k, v in before.items():
+        assert np.array_equal(args[k].view(np.uint8), v.view(np.uint8)), k
+
+
+def test_interleaved_views_of_one_buffer_are_fine():
+    # out and input share a buffer but not a single element
+    buf = np.random.default_rng(0).standard_normal((T, N, 2 * D)).astype(np.float16)
+    x = buf[..., ::2]
+    out = buf[:TP, :, 1::2]
+    args = good()
+    args.update(input=x, out=out)
+    expected = nsa_numba.nsa_compress(x.copy(), args["weight"], L, S, actual_seq_len=SEQ)
+    call_forward(args)
+    assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))
