@@ -1,8 +1,8 @@
 """Running a validated plan: workspace handling and kernel launches.
 
 Like aclnn, running is the second phase: the caller (or ``nsa_numba.api``) sizes the
-workspace from ``plan.workspace_bytes``, allocates it, and passes it here. All
-scratch that outlives a single tile lives in that workspace.
+workspace from ``plan.workspace_bytes``, allocates it, and passes it here. The
+kernels keep all their scratch in it (per-tile partials, per-thread rows).
 """
 
 import numpy as np

@@ -14,7 +14,8 @@ order fixed by the problem, not by how tiles land on threads:
 * out[k]: over the window's tokens in order;
 * input_grad[t]: over the windows covering ``t`` in order;
 * weight_grad[j, n]: per tile, per element over the tile's tokens in order, then
-  over the D elements in order, then (``reduce_weight_grad``) over tiles in order.
+  the D element sums by a fixed halving fold (``_fold_rows``), then
+  (``reduce_weight_grad``) over tiles in order.
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
 converted once, in registers.
@@ -77,6 +78,20 @@ def ring_slots(block, stride):
 
 
 @jit
+def _forward_scratch(mine, ring_size, N, D):
+    """A thread's scratch row as the ring of open window sums and a decoded row."""
+    ring = mine[:ring_size * N * D].reshape((ring_size, N, D))
+    return ring, mine[ring_size * N * D:ring_size * N * D + D]
+
+
+@jit
+def _emit_window(sums, out, b, row):
+    """Round one closed window's sums ``[N, D]`` into ``out[b, row]``."""
+    for n in range(sums.shape[0]):
+        _encode_row(sums[n], out[b, row, n], out)
+
+
+@jit
 def _segment_end(rel, lo, hi, last, block, stride, end):
     """First position after ``rel`` where the set of covering windows changes.
 
@@ -111,9 +126,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
         i0 = tiles[tile, I0]
         i1 = tiles[tile, I1]
         row0 = tiles[tile, KW0]
-        mine = scratch[get_thread_id()]
-        ring = mine[:ring_size * N * D].reshape((ring_size, N, D))
-        xf = mine[ring_size * N * D:ring_size * N * D + D]
+        ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
         rel = i0 * stride
         rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
         while rel < rel_end:
@@ -165,9 +178,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
                                 for e in range(D):
                                     acc[e] += wi * xf[e]
             if nxt == lo * stride + block:  # window lo closed at nxt - 1
-                done = ring[lo % ring_size]
-                for n in range(N):
-                    _encode_row(done[n], out[b, row0 + lo, n], out)
+                _emit_window(ring[lo % ring_size], out, b, row0 + lo)
             rel = nxt
 
 
@@ -190,9 +201,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
         i0 = tiles[tile, I0]
         i1 = tiles[tile, I1]
         row0 = tiles[tile, KW0]
-        mine = scratch[get_thread_id()]
-        ring = mine[:ring_size * N * D].reshape((ring_size, N, D))
-        xf = mine[ring_size * N * D:ring_size * N * D + D]
+        ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
         for t in range(s0 + i0 * stride, s0 + (i1 - 1) * stride + block):
             rel = t - s0
             lo, hi = _covering(rel, block, stride, i0, i1 - 1)
@@ -223,9 +232,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
                         for e in range(D):
                             acc[e] += w * xf[e]
             if rel == lo * stride + block - 1:  # window lo closes here
-                done = ring[lo % ring_size]
-                for n in range(N):
-                    _encode_row(done[n], out[b, row0 + lo, n], out)
+                _emit_window(ring[lo % ring_size], out, b, row0 + lo)
 
 
 @jit_parallel

@@ -14,7 +14,7 @@ def nsa_compress(input, weight, compress_block_size, compress_stride, *,
 
     Parameters
     ----------
-    input : ndarray [T, N, D]
+    input : ndarray [T, N, D] (or the ``layout``'s shape)
         float16, ml_dtypes.bfloat16, float32 or float64; any strides.
     weight : ndarray [l, N]
         same dtype as ``input``.
@@ -26,16 +26,21 @@ def nsa_compress(input, weight, compress_block_size, compress_stride, *,
         0: cumulative ends (``[0, 128, 272]`` = lengths 0, 128, 144; last == T);
         1: one length per sequence (sum == T).
     layout : str or None
-        "TND" (None means TND).
-    out : ndarray [T', N, D], optional
-        written in place (any strides) and returned.
+        "TND" (None means TND), or a padded layout "BSND", "BNSD", "BSH", "SBH":
+        every batch row is one sequence of length S, ``actual_seq_len`` must be
+        None, and the output has the input's layout with S' = (S - l) // d + 1
+        windows in place of the S tokens.
+    out : ndarray [T', N, D] (or the layout's shape), optional
+        written in place (any strides) and returned; must not share memory with
+        the inputs.
     strict : bool
         True: the NPU's documented constraints (multiples of 16, ``l >= d``, no
         empty tensors...). False: only what the maths needs.
 
     Returns
     -------
-    ndarray [T', N, D] of ``input``'s dtype, T' = total number of windows.
+    ndarray [T', N, D] of ``input``'s dtype, T' = total number of windows (for a
+    padded layout, that layout's shape with S' windows per row).
 
     Raises
     ------
@@ -59,10 +64,11 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
     weight[t - start(k), n] * grad[k, n, :]`` (0 for tokens no window covers);
     ``weight_grad[j, n] = sum_k dot(grad[k, n, :], input[start(k) + j, n, :])``.
 
-    ``grad`` is ``[T', N, D]``; the other parameters are those of
-    :func:`nsa_compress`, except that strict mode requires ``l > d`` (the NPU's
-    rule for this operator). ``input_grad`` ([T, N, D]) and ``weight_grad``
-    ([l, N]) may be given to be written in place.
+    ``grad`` has the forward output's shape (``[T', N, D]`` for TND); the other
+    parameters are those of :func:`nsa_compress`, except that strict mode requires
+    ``l > d`` (the NPU's rule for this operator). ``input_grad`` (``input``'s shape)
+    and ``weight_grad`` (``[l, N]``) may be given to be written in place; they must
+    not share memory with the inputs or each other.
 
     Returns ``(input_grad, weight_grad)`` in ``input``'s dtype. Deterministic:
     bitwise identical results for any thread count.
