@@ -72,6 +72,7 @@ def backward_scratch_elements(N, D, block, stride):
     return (ring_slots(block, stride) + block) * N * D + 2 * D
 
 
+@jit
 def ring_slots(block, stride):
     """Most windows that can contain one token: ceil(l / d)."""
     return (block + stride - 1) // stride
@@ -118,7 +119,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
     N = x.shape[2]
     D = x.shape[3]
     block = wt.shape[1]
-    ring_size = (block + stride - 1) // stride
+    ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
         b = tiles[tile, BATCH]
@@ -193,7 +194,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
     N = x.shape[2]
     D = x.shape[3]
     block = wt.shape[1]
-    ring_size = (block + stride - 1) // stride
+    ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
         b = tiles[tile, BATCH]
@@ -254,7 +255,7 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
     N = x.shape[2]
     D = x.shape[3]
     block = wt.shape[1]
-    ring_size = (block + stride - 1) // stride
+    ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
         b = tiles[tile, BATCH]

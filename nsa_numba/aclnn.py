@@ -23,6 +23,7 @@ The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad
 in strict mode (``_plan``), with the C parameter names and float16 / bfloat16 only.
 """
 
+import contextlib
 import threading
 
 import numpy as np
@@ -183,17 +184,12 @@ def _check_run(op, kind, workspace, workspace_size, executor, stream):
 
 
 def _run(op, kind, workspace, workspace_size, executor, stream):
-    lock = getattr(executor, "_lock", None) if isinstance(executor, aclOpExecutor) else None
+    lock = executor._lock if isinstance(executor, aclOpExecutor) else contextlib.nullcontext()
     try:
-        if lock is not None:
-            lock.acquire()
-        try:
+        with lock:
             raw = _check_run(op, kind, workspace, workspace_size, executor, stream)
             _dispatch.run(executor.plan, raw)
             executor.runs += 1
-        finally:
-            if lock is not None:
-                lock.release()
     except NsaError as err:
         return _fail(err.status, str(err))
     except MemoryError as err:
