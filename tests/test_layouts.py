@@ -30,9 +30,10 @@ def from_layout(a, layout, n=N):
         return a
     if layout == "BNSD":
         return a.transpose(0, 2, 1, 3)
+    split = (a.shape[0], a.shape[1], n, a.shape[2] // n)   # not -1: sizes may be 0
     if layout == "BSH":
-        return a.reshape(a.shape[0], a.shape[1], n, -1)
-    return a.reshape(a.shape[0], a.shape[1], n, -1).transpose(1, 0, 2, 3)
+        return a.reshape(split)
+    return a.reshape(split).transpose(1, 0, 2, 3)
 
 
 def same_bits(a, b):

@@ -1,0 +1,132 @@
+"""Generated valid problems against the float64 reference.
+
+Random T, N, D, l, d, sequence lengths (empty and shorter than a window included),
+both ``actual_seq_len`` forms and containers, every dtype and layout, strided inputs
+and outputs, strict and non-strict rules. Padded layouts are checked against the
+reference of the same data packed as TND, one sequence per batch row.
+"""
+
+import numpy as np
+from hypothesis import given, note, strategies as st
+
+import nsa_numba
+from conftest import DTYPES, assert_forward_accurate, assert_grad_accurate
+from fuzzing import settings  # noqa: F401  (loads the profile)
+from test_layouts import from_layout, to_layout
+from test_strides import VIEWS
+
+PADDED = ["BSND", "BNSD", "BSH", "SBH"]
+
+
+# the memory an array of given values may live in (padding holds 7s)
+MEMORY = {"contiguous": lambda a: a,
+          **{name: (lambda a, view=view: view(a, 7)) for name, view in VIEWS.items()}}
+
+
+def _sentinel_output(shape, dtype, memory):
+    """An output of ``shape`` in ``memory`` order, filled with a sentinel."""
+    return MEMORY[memory](np.full(shape, 5, dtype=dtype))
+
+
+@st.composite
+def problems(draw):
+    strict = draw(st.booleans())
+    op = draw(st.sampled_from(["forward", "grad"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    N = draw(st.integers(1, 4))
+    if strict:
+        D = 16 * draw(st.integers(1, 3))
+        stride = 16 * draw(st.integers(1, 2))
+        low = stride // 16 + (op == "grad")          # forward l >= d, grad l > d
+        block = 16 * draw(st.integers(low, 4))
+    else:
+        D = draw(st.integers(1, 40))
+        block = draw(st.integers(1, 24))
+        stride = draw(st.integers(1, 30))
+    layout = draw(st.sampled_from(["TND", None] + PADDED))
+    longest = 3 * block + 2 * stride
+    if layout in PADDED:
+        B = draw(st.integers(1, 3))
+        S = draw(st.integers(block if strict else 0, longest))
+        lengths, seq, seq_type = [S] * B, None, 0
+    else:
+        lengths = draw(st.lists(st.integers(0, longest), min_size=1, max_size=6))
+        if strict and max(lengths) < block:   # the NPU rejects problems without a window
+            lengths[draw(st.integers(0, len(lengths) - 1))] = draw(
+                st.integers(block, longest))
+        seq_type = draw(st.sampled_from([0, 1]))
+        values = np.cumsum(lengths) if seq_type == 0 else np.array(lengths)
+        seq = draw(st.sampled_from(["list", "tuple", "int32", "int64", "uint64"]
+                                   + (["none"] if len(lengths) == 1 else [])))
+        seq = {"list": lambda: values.tolist(), "tuple": lambda: tuple(values.tolist()),
+               "none": lambda: None}.get(seq, lambda: values.astype(seq))()
+    memory = {role: draw(st.sampled_from(list(MEMORY)))
+              for role in ("input", "weight", "grad", "out")}
+    give_outputs = draw(st.booleans())
+    scale = draw(st.sampled_from([1.0, 2.0 ** -6]))
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    return dict(strict=strict, op=op, dtype=np.dtype(dtype), N=N, D=D, block=block,
+                stride=stride, layout=layout, lengths=lengths, seq=seq, seq_type=seq_type,
+                memory=memory, give_outputs=give_outputs, scale=scale, seed=seed)
+
+
+def _windows(length, block, stride):
+    return max(0, (length - block) // stride + 1)
+
+
+def _data(p):
+    """TND values of the problem: x [T, N, D], w [l, N], g [T', N, D]."""
+    rng = np.random.default_rng(p["seed"])
+    T = sum(p["lengths"])
+    Tp = sum(_windows(n, p["block"], p["stride"]) for n in p["lengths"])
+    N, D, dtype = p["N"], p["D"], p["dtype"]
+    x = (p["scale"] * rng.standard_normal((T, N, D))).astype(dtype)
+    w = rng.standard_normal((p["block"], N)).astype(dtype)
+    g = rng.standard_normal((Tp, N, D)).astype(dtype)
+    return x, w, g
+
+
+def _as_layout(a, p):
+    """A TND array of the problem in its layout (padded: one sequence per batch row)."""
+    if p["layout"] not in PADDED:
+        return a
+    B = len(p["lengths"])
+    return to_layout(a.reshape(B, a.shape[0] // B, *a.shape[1:]), p["layout"])
+
+
+def _as_tnd(a, p):
+    if p["layout"] not in PADDED:
+        return a
+    a4 = from_layout(a, p["layout"], p["N"])
+    return a4.reshape(a4.shape[0] * a4.shape[1], *a4.shape[2:])
+
+
+@given(problems())
+def test_generated_problem_matches_reference(p):
+    note(f"problem: {p}")
+    x, w, g = _data(p)
+    xs = MEMORY[p["memory"]["input"]](_as_layout(x, p))
+    ws = MEMORY[p["memory"]["weight"]](w)
+    kw = dict(actual_seq_len=p["seq"], actual_seq_len_type=p["seq_type"],
+              layout=p["layout"], strict=p["strict"])
+    block, stride = p["block"], p["stride"]
+    # the reference gets the TND data with per-sequence lengths (type 1)
+    ref_args = (block, stride, p["lengths"], 1)
+    if p["op"] == "forward":
+        out = None
+        if p["give_outputs"]:
+            shape = _as_layout(np.empty(g.shape, np.int8), p).shape
+            out = _sentinel_output(shape, p["dtype"], p["memory"]["out"])
+        result = nsa_numba.nsa_compress(xs, ws, block, stride, out=out, **kw)
+        assert out is None or result is out
+        assert_forward_accurate(_as_tnd(result, p), x, w, *ref_args)
+        return
+    gs = MEMORY[p["memory"]["grad"]](_as_layout(g, p))
+    dx = dw = None
+    if p["give_outputs"]:
+        dx = _sentinel_output(xs.shape, p["dtype"], p["memory"]["out"])
+        dw = _sentinel_output(w.shape, p["dtype"], p["memory"]["out"])
+    rdx, rdw = nsa_numba.nsa_compress_grad(gs, xs, ws, block, stride, input_grad=dx,
+                                           weight_grad=dw, **kw)
+    assert dx is None or (rdx is dx and rdw is dw)
+    assert_grad_accurate(_as_tnd(rdx, p), rdw, g, x, w, *ref_args)
