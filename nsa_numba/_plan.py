@@ -313,7 +313,7 @@ def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
         if actual_seq_len is not None:
             raise invalid(rules.op, f"{name} must be None with {_layout_is(rules, layout)} "
                                     f"(each batch row is one sequence of length S), got "
-                                    f"{_seqlens._show(np.atleast_1d(actual_seq_len))}")
+                                    f"{_seqlens._show(actual_seq_len)}")
         lengths = np.full(B, S, np.int64)
         counts = _seqlens.window_counts(lengths, block, stride)
         seqs = Sequences(np.arange(B, dtype=np.int64), np.zeros(B, np.int64), lengths,

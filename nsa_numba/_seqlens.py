@@ -18,12 +18,18 @@ LENGTHS = 1      # actual_seq_len holds one length per sequence
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _show(values, limit=8):
-    """A short text of a possibly long list for error messages."""
-    values = np.asarray(values).tolist()
-    if len(values) <= limit:
-        return str(values)
-    return f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)} values)"
+def _show(values, limit=8, width=200):
+    """A short text of a possibly long sequence of numbers for error messages; any
+    other object (the value of a rejected argument can be anything) by its repr."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = values.tolist()
+    if isinstance(values, (list, tuple)):
+        text = str(list(values[:limit]))
+        if len(values) > limit:
+            text = f"{text[:-1]}, ...] ({len(values)} values)"
+    else:
+        text = repr(values)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _as_int_vector(op, name, values):

@@ -169,6 +169,9 @@ def _check_run(op, kind, workspace, workspace_size, executor, stream):
     if not isinstance(workspace, np.ndarray):
         raise NsaError(f"{op}: workspace must be a numpy.ndarray, got "
                        f"{type(workspace).__name__}")
+    if workspace.dtype.hasobject:
+        raise NsaError(f"{op}: workspace must hold plain bytes (e.g. uint8), got dtype "
+                       f"{workspace.dtype} (Python object references)")
     if not workspace.flags.c_contiguous:
         raise NsaError(f"{op}: workspace must be C-contiguous, got strides "
                        f"{workspace.strides}")

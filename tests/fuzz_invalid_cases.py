@@ -1,0 +1,438 @@
+"""Generated invalid calls through the Python API and the aclnn mirror.
+
+Not collected by a plain ``pytest`` run (the name does not start with ``test_``):
+``test_fuzz_invalid.py`` runs this file in a child process, so that a crash of the
+interpreter or a hang shows up as a failed test instead of a dead test runner.
+
+Each case starts from a valid problem and breaks exactly one thing, in a way that is
+invalid whatever the rest is. The promise checked: the Python API raises NsaError (a
+ValueError) with status 161001 or 161002 and a message naming a parameter; the aclnn
+mirror returns that status from phase one or two and records a message; no output
+and no input changes.
+"""
+
+import fractions
+import math
+
+import ml_dtypes
+import numpy as np
+from hypothesis import assume, given, note, strategies as st
+
+import nsa_numba
+from nsa_numba import NsaError
+from nsa_numba.aclnn import (ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
+                             ACLNN_SUCCESS, aclDestroyAclOpExecutor, aclGetRecentErrMsg,
+                             aclnnNsaCompress, aclnnNsaCompressGetWorkspaceSize,
+                             aclnnNsaCompressGrad, aclnnNsaCompressGradGetWorkspaceSize)
+from nsa_numba._layouts import LAYOUTS
+from fuzzing import settings  # noqa: F401  (loads the profile)
+
+REJECTED = {ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_PARAM_INVALID}
+PY_PARAMS = ["input", "weight", "grad", "out", "input_grad", "weight_grad",
+             "compress_block_size", "compress_stride", "actual_seq_len",
+             "actual_seq_len_type", "layout"]
+C_PARAMS = ["input", "weight", "outputGrad", "output", "inputGradOut", "weightGradOut",
+            "compressBlockSize", "compressStride", "actSeqLenOptional", "actSeqLenType",
+            "layoutOptional", "workspace", "workspaceSize", "executor", "stream"]
+OUTPUTS = {"forward": ("out",), "grad": ("input_grad", "weight_grad")}
+INPUTS = {"forward": ("input", "weight"), "grad": ("grad", "input", "weight")}
+
+
+# -- a valid starting point ----------------------------------------------------------
+
+@st.composite
+def valid_calls(draw):
+    """A valid strict float16/bfloat16 call, every output given (the aclnn needs them)."""
+    op = draw(st.sampled_from(["forward", "grad"]))
+    dtype = np.dtype(draw(st.sampled_from([np.float16, ml_dtypes.bfloat16])))
+    N = draw(st.integers(1, 3))
+    D = 16 * draw(st.integers(1, 2))
+    stride = 16
+    block = 16 * draw(st.integers(1 if op == "forward" else 2, 3))
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    if layout == "TND":
+        lengths = draw(st.lists(st.integers(0, 4 * block), min_size=1, max_size=4))
+        lengths[0] = max(lengths[0], block)
+        seq_type = draw(st.sampled_from([0, 1]))
+        seq = (np.cumsum(lengths) if seq_type == 0 else np.array(lengths)).tolist()
+        shape = (sum(lengths), N, D)
+    else:
+        lengths = [draw(st.integers(block, 4 * block))] * draw(st.integers(1, 2))
+        seq, seq_type = None, 0
+        shape = (len(lengths), lengths[0], N, D)
+    windows = sum((n - block) // stride + 1 for n in lengths if n >= block)
+    out_shape = (windows, N, D) if layout == "TND" else (len(lengths), windows // len(lengths),
+                                                         N, D)
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    call = dict(op=op, dtype=dtype, block=block, stride=stride, seq=seq, seq_type=seq_type,
+                layout=layout, lengths=lengths,
+                input=rng.standard_normal(shape).astype(dtype),
+                weight=rng.standard_normal((block, N)).astype(dtype))
+    if op == "forward":
+        call["out"] = np.full(out_shape, 3, dtype)
+    else:
+        call["grad"] = rng.standard_normal(out_shape).astype(dtype)
+        call["input_grad"] = np.full(shape, 3, dtype)
+        call["weight_grad"] = np.full((block, N), 3, dtype)
+    return call
+
+
+# -- ways to break one argument ------------------------------------------------------
+
+class Opaque:
+    """An object of no type the library knows."""
+
+
+NOT_ARRAYS = st.one_of(
+    st.booleans(), st.integers(), st.floats(), st.complex_numbers(), st.text(max_size=4),
+    st.binary(max_size=4), st.lists(st.floats(), max_size=3),
+    st.lists(st.lists(st.integers(), max_size=2), max_size=2), st.tuples(st.integers()),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.builds(Opaque), st.just(Ellipsis), st.just(slice(None)), st.just(np.float16),
+    st.just(np.float16(1.0)), st.just(memoryview(b"ab")))
+
+BAD_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+              np.uint64, np.bool_, np.complex64, np.complex128, np.object_, ">f2", ">f4",
+              "<U1", "S2", "V2", "m8[s]", "M8[D]", np.longdouble, np.float32, np.float64,
+              [("a", np.float16)], ml_dtypes.float8_e4m3fn]
+
+
+@st.composite
+def bad_array(draw, call, role):
+    """A value for array argument ``role`` that no rule accepts, whatever the rest is."""
+    good = call[role]
+    how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape", "readonly",
+                                "alias"] if role in OUTPUTS[call["op"]] else
+                               ["not-array", "none", "ndim", "dtype", "shape"]))
+    note(f"{role}: {how}")
+    if how == "none":
+        return None
+    if how == "not-array":
+        return draw(NOT_ARRAYS)
+    if how == "ndim":
+        ndim = draw(st.integers(0, 6).filter(lambda n: n != good.ndim))
+        shape = tuple(draw(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim)))
+        return np.zeros(shape, dtype=good.dtype)
+    if how == "dtype":
+        dtype = np.dtype(draw(st.sampled_from(BAD_DTYPES + [_other_half(good.dtype)])))
+        return np.zeros(good.shape, dtype=dtype)
+    if how == "shape":
+        shape = list(good.shape)
+        if role == "input":   # only the head dim: other changes can still fit the sequences
+            shape[-1] += draw(st.sampled_from([-good.shape[-1], 1, 16]))
+        else:
+            axis = draw(st.integers(0, len(shape) - 1))
+            shape[axis] = draw(st.integers(0, shape[axis] + 20).filter(
+                lambda n: n != good.shape[axis]))
+        return np.full(shape, 3, dtype=good.dtype)
+    if how == "readonly":
+        good.flags.writeable = False
+        return good
+    return draw(st.sampled_from(_aliases(call, role)))
+
+
+def _other_half(dtype):
+    return ml_dtypes.bfloat16 if dtype == np.float16 else np.float16
+
+
+def _aliases(call, role):
+    """Views of ``role``'s shape onto memory an input or another output uses."""
+    shape, n = call[role].shape, call[role].size
+    candidates = []
+    for other in INPUTS[call["op"]] + OUTPUTS[call["op"]]:
+        if other == role:
+            continue
+        flat = call[other].reshape(-1)
+        if flat.size >= n:
+            candidates.append(flat[:n].reshape(shape))
+            candidates.append(flat[flat.size - n:].reshape(shape)[::-1])
+    if role == "input_grad":
+        candidates.append(call["input"])
+    return candidates or [call[INPUTS[call["op"]][0]]]
+
+
+INTEGRAL_TYPES = [int, np.int8, np.int16, np.int32, np.int64, np.uint16, np.uint32,
+                  np.uint64]
+
+
+@st.composite
+def not_integers(draw, near):
+    """Values that are not integers, some of them equal in value to one."""
+    return draw(st.one_of(
+        NOT_ARRAYS.filter(lambda v: isinstance(v, (bool, np.bool_)) or not isinstance(
+            v, (int, np.integer))),
+        st.sampled_from([float(near), np.float64(near), np.float16(near), str(near),
+                         fractions.Fraction(near), complex(near), np.array(near),
+                         np.array([near]), [near], True, False, None, math.nan, math.inf,
+                         np.bool_(True)])))
+
+
+@st.composite
+def bad_block(draw, call):
+    """Anything but the weight's first dimension as an integer."""
+    if draw(st.booleans()):
+        return draw(not_integers(call["block"]))
+    value = draw(st.integers(-2 ** 70, 2 ** 70).filter(lambda v: v != call["block"]))
+    cast = draw(st.sampled_from(INTEGRAL_TYPES))
+    try:
+        return cast(value)
+    except OverflowError:
+        return value
+
+
+@st.composite
+def bad_stride(draw, call):
+    """Not an integer, or one the strict rules reject: <= 0, not a multiple of 16, or
+    over l (forward) / not under l (grad)."""
+    if draw(st.booleans()):
+        return draw(not_integers(call["stride"]))
+    limit = call["block"] if call["op"] == "forward" else call["block"] - 1
+
+    def rejected(v):
+        return v <= 0 or v % 16 or v > limit
+    return draw(st.one_of(st.integers(-2 ** 70, 2 ** 70), st.integers(-40, 80))
+                .filter(rejected))
+
+
+@st.composite
+def bad_seq(draw, call):
+    """An actual_seq_len that cannot describe these tokens with these windows."""
+    T = call["input"].shape[0] if call["layout"] == "TND" else None
+    if T is None:   # padded layouts take none at all
+        return draw(st.one_of(st.lists(st.integers(0, 300), max_size=3),
+                              NOT_ARRAYS.filter(lambda v: v is not None)))
+    how = draw(st.sampled_from(["container", "item", "overflow", "array", "random"]))
+    note(f"actual_seq_len: {how}")
+    good = list(call["seq"])
+    if how == "container":
+        return draw(NOT_ARRAYS.filter(lambda v: not isinstance(v, (list, tuple))))
+    if how == "item":
+        i = draw(st.integers(0, len(good)))
+        item = draw(st.sampled_from([1.0, "3", None, True, np.float32(2), [1], b"1",
+                                     fractions.Fraction(1, 2), complex(1), math.nan]))
+        return good[:i] + [item] + good[i:]
+    if how == "overflow":
+        i = draw(st.integers(0, len(good) - 1))
+        good[i] = draw(st.sampled_from([2 ** 63, 2 ** 64 + 5, -2 ** 63 - 1, 10 ** 30]))
+        return good if draw(st.booleans()) else np.array(good, dtype=object)
+    if how == "array":
+        return draw(st.sampled_from([
+            np.array(good, dtype=np.float64), np.array(good, dtype=np.bool_),
+            np.array([good]), np.array(good).reshape(-1, 1), np.array(good[0]),
+            np.array([], dtype=np.int64), np.array(good, dtype=np.complex64),
+            np.array([2 ** 64 - 1] + good, dtype=np.uint64)]))
+    values = draw(st.lists(st.integers(-5, T + 40), max_size=6))
+    assume(not _describes(values, call))
+    return values
+
+
+def _describes(values, call):
+    """Whether ``values`` (for the call's type) is a valid split of T with the same
+    number of windows."""
+    if not values or min(values) < 0:
+        return False
+    if call["seq_type"] == 0:
+        if any(b < a for a, b in zip(values, values[1:])):
+            return False
+        lengths = np.diff([0] + values)
+    else:
+        lengths = np.array(values)
+    if lengths.sum() != call["input"].shape[0]:
+        return False
+    block, stride = call["block"], call["stride"]
+    windows = sum((n - block) // stride + 1 for n in lengths if n >= block)
+    return windows == sum((n - block) // stride + 1 for n in call["lengths"] if n >= block)
+
+
+LAYOUT_TEXT = st.one_of(st.text(max_size=5), st.sampled_from(
+    ["tnd", " TND", "TND\x00", "BSNDX", "", "T N D"])).filter(lambda s: s not in LAYOUTS)
+
+
+@st.composite
+def mutations(draw):
+    call = draw(valid_calls())
+    op = call["op"]
+    key = draw(st.sampled_from(list(INPUTS[op] + OUTPUTS[op])
+                               + ["block", "stride", "seq", "seq_type", "layout"]))
+    if key in INPUTS[op] or key in OUTPUTS[op]:
+        value = draw(bad_array(call, key))
+    elif key == "block":
+        value = draw(bad_block(call))
+    elif key == "stride":
+        value = draw(bad_stride(call))
+    elif key == "seq":
+        value = draw(bad_seq(call))
+    elif key == "seq_type":
+        value = draw(st.one_of(not_integers(0), st.integers(-2 ** 70, 2 ** 70).filter(
+            lambda v: v not in (0, 1))))
+    else:
+        value = draw(st.one_of(LAYOUT_TEXT, NOT_ARRAYS.filter(
+            lambda v: not isinstance(v, str))))
+    note(f"broken: {key} = {value!r}"[:400])
+    call[key] = value
+    return call
+
+
+# -- running both APIs ---------------------------------------------------------------
+
+def _arrays(call):
+    keys = INPUTS[call["op"]] + OUTPUTS[call["op"]]
+    return {k: call[k] for k in keys if isinstance(call[k], np.ndarray)}
+
+
+def _snapshot(call):
+    return {k: (a, a.copy()) for k, a in _arrays(call).items() if a.dtype != object}
+
+
+def _assert_unchanged(snapshot):
+    for key, (a, copy) in snapshot.items():
+        assert a.tobytes() == copy.tobytes(), f"{key} changed"
+
+
+def _python_call(call):
+    kw = dict(actual_seq_len=call["seq"], actual_seq_len_type=call["seq_type"],
+              layout=call["layout"])
+    if call["op"] == "forward":
+        return nsa_numba.nsa_compress(call["input"], call["weight"], call["block"],
+                                      call["stride"], out=call["out"], **kw)
+    return nsa_numba.nsa_compress_grad(call["grad"], call["input"], call["weight"],
+                                       call["block"], call["stride"],
+                                       input_grad=call["input_grad"],
+                                       weight_grad=call["weight_grad"], **kw)
+
+
+def _aclnn_phase1(call):
+    if call["op"] == "forward":
+        return aclnnNsaCompressGetWorkspaceSize(
+            call["input"], call["weight"], call["seq"], call["layout"], call["block"],
+            call["stride"], call["seq_type"], call["out"])
+    return aclnnNsaCompressGradGetWorkspaceSize(
+        call["grad"], call["input"], call["weight"], call["seq"], call["block"],
+        call["stride"], call["seq_type"], call["layout"], call["input_grad"],
+        call["weight_grad"])
+
+
+def _assert_python_rejects(call):
+    try:
+        _python_call(call)
+    except NsaError as err:
+        assert err.status in REJECTED, err.status
+        assert any(name in str(err) for name in PY_PARAMS), str(err)
+        return str(err)
+    raise AssertionError("the Python API accepted an invalid call")
+
+
+def _assert_aclnn_rejects(call):
+    aclGetRecentErrMsg()
+    status, size, executor = _aclnn_phase1(call)
+    if status == ACLNN_SUCCESS:
+        run = aclnnNsaCompress if call["op"] == "forward" else aclnnNsaCompressGrad
+        status = run(np.empty(size, np.uint8), size, executor)
+        raise AssertionError(f"the aclnn mirror accepted an invalid call (run: {status})")
+    assert (size, executor) == (0, None)
+    assert status in REJECTED, (status, aclGetRecentErrMsg())
+    message = aclGetRecentErrMsg()
+    assert any(name in message for name in C_PARAMS), message
+    return message
+
+
+@given(mutations())
+def test_invalid_argument_is_rejected_by_both_apis(call):
+    snapshot = _snapshot(call)
+    note(_assert_python_rejects(call))
+    _assert_unchanged(snapshot)
+    note(_assert_aclnn_rejects(call))
+    _assert_unchanged(snapshot)
+
+
+@given(valid_calls())
+def test_float32_is_valid_in_python_only(call):
+    for key in _arrays(call):
+        call[key] = call[key].astype(np.float32)
+    snapshot = _snapshot(call)
+    _assert_aclnn_rejects(call)
+    _assert_unchanged(snapshot)
+    _python_call(call)
+
+
+# -- phase two ------------------------------------------------------------------------
+
+@st.composite
+def bad_runs(draw):
+    """A valid phase one, then a broken phase-two argument."""
+    call = draw(valid_calls())
+    key = draw(st.sampled_from(["workspace", "workspaceSize", "executor", "stream"]))
+    how = draw(st.sampled_from({
+        "workspace": ["not-array", "small", "readonly", "strided", "overlap", "object"],
+        "workspaceSize": ["not-integer", "small"],
+        "executor": ["not-executor", "none", "other-op", "destroyed", "spent"],
+        "stream": ["object"]}[key]))
+    salt = draw(NOT_ARRAYS)
+    return call, key, how, salt
+
+
+def _phase2_args(call, key, how, salt, size, executor):
+    """(run, workspace, workspaceSize, executor, stream) with ``key`` broken ``how``."""
+    workspace, workspace_size, stream = np.empty(size, np.uint8), size, None
+    run = aclnnNsaCompress if call["op"] == "forward" else aclnnNsaCompressGrad
+    if key == "workspace":
+        assume(size > 0)   # with no workspace needed, any workspace is accepted
+        workspace = {
+            "not-array": lambda: salt if salt is not None else [0] * size,
+            "small": lambda: np.empty(size - 1, np.uint8),
+            "readonly": lambda: np.frombuffer(bytes(size), np.uint8),
+            "strided": lambda: np.empty(2 * size, np.uint8)[::2],
+            "overlap": lambda: call["buffer"],
+            "object": lambda: np.empty(size, dtype=object),
+        }[how]()
+    elif key == "workspaceSize":
+        if how == "small":
+            assume(size > 0)
+            workspace_size = size - 1
+        elif isinstance(salt, (int, np.integer)) and not isinstance(salt, bool):
+            workspace_size = float(size)
+        else:
+            workspace_size = salt
+    elif key == "executor":
+        if how == "not-executor":
+            executor = salt if salt is not None else Opaque()
+        elif how == "none":
+            executor = None
+        elif how == "other-op":
+            run = aclnnNsaCompressGrad if call["op"] == "forward" else aclnnNsaCompress
+        elif how == "destroyed":
+            assert aclDestroyAclOpExecutor(executor) == ACLNN_SUCCESS
+        else:   # spent: not made repeatable, so its one run is used up
+            assert run(np.empty(size, np.uint8), size, executor) == ACLNN_SUCCESS
+    else:
+        stream = salt if salt is not None else Opaque()
+    return run, workspace, workspace_size, executor, stream
+
+
+def _move_output_into_workspace(call):
+    """Put the first output at the start of a buffer big enough to be the workspace too."""
+    status, size, executor = _aclnn_phase1(call)
+    assert status == ACLNN_SUCCESS and aclDestroyAclOpExecutor(executor) == ACLNN_SUCCESS
+    role = OUTPUTS[call["op"]][0]
+    a = call[role]
+    call["buffer"] = np.zeros(a.nbytes + size, np.uint8)
+    call[role] = call["buffer"][:a.nbytes].view(a.dtype).reshape(a.shape)
+    call[role][...] = a
+
+
+@given(bad_runs())
+def test_invalid_run_is_rejected(case):
+    call, key, how, salt = case
+    note(f"{key}: {how}, {salt!r}"[:300])
+    if how == "overlap":
+        _move_output_into_workspace(call)
+    status, size, executor = _aclnn_phase1(call)
+    assert status == ACLNN_SUCCESS
+    run, workspace, workspace_size, executor, stream = _phase2_args(
+        call, key, how, salt, size, executor)
+    snapshot = _snapshot(call)
+    aclGetRecentErrMsg()
+    status = run(workspace, workspace_size, executor, stream)
+    assert status in REJECTED, (status, aclGetRecentErrMsg())
+    assert aclGetRecentErrMsg()
+    _assert_unchanged(snapshot)
