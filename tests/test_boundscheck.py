@@ -1,0 +1,41 @@
+"""NSA_NUMBA_BOUNDSCHECK=1: the debugging build really checks every index.
+
+CI also runs a reduced test set in this mode (see .ci/run); this test shows the mode
+is live: a tile table pointing past the end of the input, which the planner never
+produces, must raise instead of reading out of bounds.
+"""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import numpy as np
+from nsa_numba import _dispatch, _jit, _kernels
+from nsa_numba._plan import Rules, plan_forward
+
+assert _jit.BOUNDSCHECK
+x = np.ones((64, 2, 16), np.float32)
+w = np.ones((32, 2), np.float32)
+plan = plan_forward(Rules("test"), x, w, 32, 16, None, 0, "TND", None)
+tiles = plan.tiles.copy()
+tiles[:, _kernels.NW] += 5          # five windows beyond the input's last token
+tiles[:, _kernels.I1] += 5
+_, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
+try:
+    _kernels.compress_forward_rows(plan.storage("input"), _dispatch._weight_table(plan),
+                                   plan.storage("out"), tiles, 16, scratch)
+except Exception as err:
+    # a parallel region re-raises it as SystemError with the IndexError as its cause
+    chain = [err, err.__cause__, err.__context__]
+    assert any(isinstance(e, IndexError) for e in chain), repr(chain)
+    print("raised")
+"""
+
+
+def test_boundscheck_mode_catches_an_out_of_bounds_tile():
+    env = dict(os.environ, NSA_NUMBA_BOUNDSCHECK="1")
+    child = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "raised"
