@@ -18,7 +18,11 @@ order fixed by the problem, not by how tiles land on threads:
   (``reduce_weight_grad``) over tiles in order.
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
-converted once, in registers.
+converted once, in registers. They index the arrays in place (``x[b, t, n, e]``),
+never through row views (``x[b, t, n]``): Numba counts references to every view
+it makes with an atomic add on the parent array's shared counter, and with all
+threads bumping the same counter once per token and head that cost about half of
+the forward's time on short rows.
 """
 
 import numpy as np
@@ -45,15 +49,17 @@ N_TILE_COLUMNS = 10
 
 
 @jit
-def _decode_row(src, dst):
+def _decode_token(x, b, t, n, dst):
+    """dst[:] = x[b, t, n, :] widened (indexed in place: see the module docstring)."""
     for e in range(dst.shape[0]):
-        dst[e] = widen(src[e])
+        dst[e] = widen(x[b, t, n, e])
 
 
 @jit
-def _encode_row(src, dst, like):
-    for e in range(src.shape[0]):
-        dst[e] = narrow(src[e], like)
+def _zero_slot(ring, slot):
+    for n in range(ring.shape[1]):
+        for e in range(ring.shape[2]):
+            ring[slot, n, e] = 0
 
 
 @jit
@@ -86,10 +92,11 @@ def _forward_scratch(mine, ring_size, N, D):
 
 
 @jit
-def _emit_window(sums, out, b, row):
-    """Round one closed window's sums ``[N, D]`` into ``out[b, row]``."""
-    for n in range(sums.shape[0]):
-        _encode_row(sums[n], out[b, row, n], out)
+def _emit_window(ring, slot, out, b, row):
+    """Round one closed window's sums ``ring[slot]`` ``[N, D]`` into ``out[b, row]``."""
+    for n in range(ring.shape[1]):
+        for e in range(ring.shape[2]):
+            out[b, row, n, e] = narrow(ring[slot, n, e], out)
 
 
 @jit
@@ -136,50 +143,45 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
             if lo > hi:           # between windows (d > l): never read
                 rel = nxt
                 continue
+            sa = lo % ring_size
+            sb = hi % ring_size
             if rel == hi * stride:
-                ring[hi % ring_size] = 0  # window hi opens here
+                _zero_slot(ring, sb)  # window hi opens here
             for r in range(rel, nxt, GROUP):
                 t = s0 + r
                 ja = r - lo * stride
                 full = r + GROUP <= nxt
                 for n in range(N):
-                    acc_a = ring[lo % ring_size, n]
-                    w = wt[n]
                     if full and lo == hi:
-                        x0 = x[b, t, n]
-                        x1 = x[b, t + 1, n]
-                        x2 = x[b, t + 2, n]
-                        x3 = x[b, t + 3, n]
-                        a0, a1, a2, a3 = w[ja], w[ja + 1], w[ja + 2], w[ja + 3]
+                        a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
                         for e in range(D):
-                            acc_a[e] = (((acc_a[e] + a0 * widen(x0[e])) + a1 * widen(x1[e]))
-                                        + a2 * widen(x2[e])) + a3 * widen(x3[e])
+                            ring[sa, n, e] = (((ring[sa, n, e] + a0 * widen(x[b, t, n, e]))
+                                               + a1 * widen(x[b, t + 1, n, e]))
+                                              + a2 * widen(x[b, t + 2, n, e])) \
+                                + a3 * widen(x[b, t + 3, n, e])
                     elif full and lo + 1 == hi:  # the common case l <= 2d
-                        acc_b = ring[hi % ring_size, n]
                         jb = ja - stride
-                        x0 = x[b, t, n]
-                        x1 = x[b, t + 1, n]
-                        x2 = x[b, t + 2, n]
-                        x3 = x[b, t + 3, n]
-                        a0, a1, a2, a3 = w[ja], w[ja + 1], w[ja + 2], w[ja + 3]
-                        b0, b1, b2, b3 = w[jb], w[jb + 1], w[jb + 2], w[jb + 3]
+                        a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
+                        b0, b1, b2, b3 = wt[n, jb], wt[n, jb + 1], wt[n, jb + 2], wt[n, jb + 3]
                         for e in range(D):
-                            v0 = widen(x0[e])
-                            v1 = widen(x1[e])
-                            v2 = widen(x2[e])
-                            v3 = widen(x3[e])
-                            acc_a[e] = (((acc_a[e] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3
-                            acc_b[e] = (((acc_b[e] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3
+                            v0 = widen(x[b, t, n, e])
+                            v1 = widen(x[b, t + 1, n, e])
+                            v2 = widen(x[b, t + 2, n, e])
+                            v3 = widen(x[b, t + 3, n, e])
+                            ring[sa, n, e] = (((ring[sa, n, e] + a0 * v0) + a1 * v1)
+                                              + a2 * v2) + a3 * v3
+                            ring[sb, n, e] = (((ring[sb, n, e] + b0 * v0) + b1 * v1)
+                                              + b2 * v2) + b3 * v3
                     else:                 # a short group, or more than two windows
                         for q in range(r, min(r + GROUP, nxt)):
-                            _decode_row(x[b, s0 + q, n], xf)
+                            _decode_token(x, b, s0 + q, n, xf)
                             for i in range(lo, hi + 1):
-                                acc = ring[i % ring_size, n]
-                                wi = w[q - i * stride]
+                                si = i % ring_size
+                                wi = wt[n, q - i * stride]
                                 for e in range(D):
-                                    acc[e] += wi * xf[e]
+                                    ring[si, n, e] += wi * xf[e]
             if nxt == lo * stride + block:  # window lo closed at nxt - 1
-                _emit_window(ring[lo % ring_size], out, b, row0 + lo)
+                _emit_window(ring, sa, out, b, row0 + lo)
             rel = nxt
 
 
@@ -208,32 +210,31 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
             lo, hi = _covering(rel, block, stride, i0, i1 - 1)
             if lo > hi:
                 continue  # between windows (d > l): never read
+            sa = lo % ring_size
+            sb = hi % ring_size
             if rel == hi * stride:
-                ring[hi % ring_size] = 0  # window hi opens here
+                _zero_slot(ring, sb)  # window hi opens here
+            ja = rel - lo * stride
             for n in range(N):
-                xr = x[b, t, n]
-                ja = rel - lo * stride
-                acc_a = ring[lo % ring_size, n]
                 wa = wt[n, ja]
                 if lo == hi:
                     for e in range(D):
-                        acc_a[e] += wa * widen(xr[e])
+                        ring[sa, n, e] += wa * widen(x[b, t, n, e])
                 elif lo + 1 == hi:  # the common case l <= 2d: one pass for both windows
-                    acc_b = ring[hi % ring_size, n]
                     wb = wt[n, ja - stride]
                     for e in range(D):
-                        v = widen(xr[e])
-                        acc_a[e] += wa * v
-                        acc_b[e] += wb * v
+                        v = widen(x[b, t, n, e])
+                        ring[sa, n, e] += wa * v
+                        ring[sb, n, e] += wb * v
                 else:
-                    _decode_row(xr, xf)
+                    _decode_token(x, b, t, n, xf)
                     for i in range(lo, hi + 1):
-                        acc = ring[i % ring_size, n]
+                        si = i % ring_size
                         w = wt[n, rel - i * stride]
                         for e in range(D):
-                            acc[e] += w * xf[e]
+                            ring[si, n, e] += w * xf[e]
             if rel == lo * stride + block - 1:  # window lo closes here
-                _emit_window(ring[lo % ring_size], out, b, row0 + lo)
+                _emit_window(ring, sa, out, b, row0 + lo)
 
 
 @jit_parallel
@@ -280,55 +281,52 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
             lo, hi = _covering(rel, block, stride, first, last)
             if lo > hi:  # no window covers t
                 for n in range(N):
-                    orow = ig[b, t, n]
                     for e in range(D):
-                        orow[e] = narrow(zero, ig)
+                        ig[b, t, n, e] = narrow(zero, ig)
                 continue
             while next_window <= hi:
-                slot = gring[next_window % ring_size]
+                slot = next_window % ring_size
                 for n in range(N):
-                    _decode_row(g[b, row0 + next_window, n], slot[n])
+                    for e in range(D):
+                        gring[slot, n, e] = widen(g[b, row0 + next_window, n, e])
                 next_window += 1
             ja = rel - lo * stride
+            jb = ja - stride
+            sa = lo % ring_size
+            sb = hi % ring_size
             for n in range(N):
-                xr = x[b, t, n]
-                orow = ig[b, t, n]
                 wa = wt[n, ja]
-                ga = gring[lo % ring_size, n]
-                la = lanes[ja, n]
                 if lo == hi:
                     for e in range(D):
-                        v = widen(xr[e])
-                        p = ga[e]
-                        orow[e] = narrow(zero + wa * p, ig)
-                        la[e] += p * v
+                        v = widen(x[b, t, n, e])
+                        p = gring[sa, n, e]
+                        ig[b, t, n, e] = narrow(zero + wa * p, ig)
+                        lanes[ja, n, e] += p * v
                 elif lo + 1 == hi:
-                    wb = wt[n, ja - stride]
-                    gb = gring[hi % ring_size, n]
-                    lb = lanes[ja - stride, n]
+                    wb = wt[n, jb]
                     for e in range(D):
-                        v = widen(xr[e])
-                        p = ga[e]
-                        q = gb[e]
-                        orow[e] = narrow((zero + wa * p) + wb * q, ig)
-                        la[e] += p * v
-                        lb[e] += q * v
+                        v = widen(x[b, t, n, e])
+                        p = gring[sa, n, e]
+                        q = gring[sb, n, e]
+                        ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
+                        lanes[ja, n, e] += p * v
+                        lanes[jb, n, e] += q * v
                 else:
-                    _decode_row(xr, xf)
+                    _decode_token(x, b, t, n, xf)
                     for e in range(D):
-                        p = ga[e]
+                        p = gring[sa, n, e]
                         ia[e] = zero + wa * p
-                        la[e] += p * xf[e]
+                        lanes[ja, n, e] += p * xf[e]
                     for i in range(lo + 1, hi + 1):
                         j = rel - i * stride
                         w = wt[n, j]
-                        gi = gring[i % ring_size, n]
-                        li = lanes[j, n]
+                        si = i % ring_size
                         for e in range(D):
-                            p = gi[e]
+                            p = gring[si, n, e]
                             ia[e] += w * p
-                            li[e] += p * xf[e]
-                    _encode_row(ia, orow, ig)
+                            lanes[j, n, e] += p * xf[e]
+                    for e in range(D):
+                        ig[b, t, n, e] = narrow(ia[e], ig)
         _fold_rows(lanes)
         for n in range(N):
             for j in range(block):
@@ -348,9 +346,8 @@ def _fold_rows(rows):
         keep = width - half
         for a in range(rows.shape[0]):
             for b in range(rows.shape[1]):
-                r = rows[a, b]
                 for e in range(half):
-                    r[e] += r[keep + e]
+                    rows[a, b, e] += rows[a, b, keep + e]
         width = keep
 
 
