@@ -155,10 +155,10 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
                     if full and lo == hi:
                         a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
                         for e in range(D):
-                            ring[sa, n, e] = (((ring[sa, n, e] + a0 * widen(x[b, t, n, e]))
-                                               + a1 * widen(x[b, t + 1, n, e]))
-                                              + a2 * widen(x[b, t + 2, n, e])) \
-                                + a3 * widen(x[b, t + 3, n, e])
+                            ring[sa, n, e] = ((((ring[sa, n, e] + a0 * widen(x[b, t, n, e]))
+                                                + a1 * widen(x[b, t + 1, n, e]))
+                                               + a2 * widen(x[b, t + 2, n, e]))
+                                              + a3 * widen(x[b, t + 3, n, e]))
                     elif full and lo + 1 == hi:  # the common case l <= 2d
                         jb = ja - stride
                         a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
