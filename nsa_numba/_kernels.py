@@ -100,6 +100,18 @@ def _emit_window(ring, slot, out, b, row):
 
 
 @jit
+def _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride):
+    """Add head n of the token at sequence position q into windows lo..hi, in order
+    (the forward's path for a token in more than two windows)."""
+    _decode_token(x, b, s0 + q, n, xf)
+    for i in range(lo, hi + 1):
+        si = i % ring.shape[0]
+        w = wt[n, q - i * stride]
+        for e in range(xf.shape[0]):
+            ring[si, n, e] += w * xf[e]
+
+
+@jit
 def _segment_end(rel, lo, hi, last, block, stride, end):
     """First position after ``rel`` where the set of covering windows changes.
 
@@ -174,12 +186,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
                                               + b2 * v2) + b3 * v3
                     else:                 # a short group, or more than two windows
                         for q in range(r, min(r + GROUP, nxt)):
-                            _decode_token(x, b, s0 + q, n, xf)
-                            for i in range(lo, hi + 1):
-                                si = i % ring_size
-                                wi = wt[n, q - i * stride]
-                                for e in range(D):
-                                    ring[si, n, e] += wi * xf[e]
+                            _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride)
             if nxt == lo * stride + block:  # window lo closed at nxt - 1
                 _emit_window(ring, sa, out, b, row0 + lo)
             rel = nxt
@@ -189,9 +196,11 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
 def compress_forward_rows(x, wt, out, tiles, stride, scratch):
     """``compress_forward`` one token per pass over D: faster for short token rows.
 
-    Same arguments, same sums in the same order, so the same bits; ``_dispatch``
-    picks it when N * D < GROUPED_MIN_ROW (measured: the grouped passes cost more
-    than they save on short rows).
+    Same arguments, same segments, same sums in the same order, so the same bits;
+    ``_dispatch`` picks it when N * D < GROUPED_MIN_ROW (measured: on short rows the
+    four-row passes stall on loads, while one row at a time reads memory in order).
+    The two kernels share their segment walk but not their inner passes: one kernel
+    with the group size as an argument measured 50% slower on short rows.
     """
     N = x.shape[2]
     D = x.shape[3]
@@ -205,36 +214,37 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
         i1 = tiles[tile, I1]
         row0 = tiles[tile, KW0]
         ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
-        for t in range(s0 + i0 * stride, s0 + (i1 - 1) * stride + block):
-            rel = t - s0
+        rel = i0 * stride
+        rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
+        while rel < rel_end:
             lo, hi = _covering(rel, block, stride, i0, i1 - 1)
-            if lo > hi:
-                continue  # between windows (d > l): never read
+            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+            if lo > hi:           # between windows (d > l): never read
+                rel = nxt
+                continue
             sa = lo % ring_size
             sb = hi % ring_size
             if rel == hi * stride:
                 _zero_slot(ring, sb)  # window hi opens here
-            ja = rel - lo * stride
-            for n in range(N):
-                wa = wt[n, ja]
-                if lo == hi:
-                    for e in range(D):
-                        ring[sa, n, e] += wa * widen(x[b, t, n, e])
-                elif lo + 1 == hi:  # the common case l <= 2d: one pass for both windows
-                    wb = wt[n, ja - stride]
-                    for e in range(D):
-                        v = widen(x[b, t, n, e])
-                        ring[sa, n, e] += wa * v
-                        ring[sb, n, e] += wb * v
-                else:
-                    _decode_token(x, b, t, n, xf)
-                    for i in range(lo, hi + 1):
-                        si = i % ring_size
-                        w = wt[n, rel - i * stride]
+            for r in range(rel, nxt):
+                t = s0 + r
+                ja = r - lo * stride
+                for n in range(N):
+                    wa = wt[n, ja]
+                    if lo == hi:
                         for e in range(D):
-                            ring[si, n, e] += w * xf[e]
-            if rel == lo * stride + block - 1:  # window lo closes here
+                            ring[sa, n, e] += wa * widen(x[b, t, n, e])
+                    elif lo + 1 == hi:  # the common case l <= 2d: one pass for both
+                        wb = wt[n, ja - stride]
+                        for e in range(D):
+                            v = widen(x[b, t, n, e])
+                            ring[sa, n, e] += wa * v
+                            ring[sb, n, e] += wb * v
+                    else:
+                        _add_token(ring, xf, x, b, s0, r, n, wt, lo, hi, stride)
+            if nxt == lo * stride + block:  # window lo closed at nxt - 1
                 _emit_window(ring, sa, out, b, row0 + lo)
+            rel = nxt
 
 
 @jit_parallel
