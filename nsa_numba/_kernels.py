@@ -99,7 +99,7 @@ def _emit_window(ring, slot, out, b, row):
             out[b, row, n, e] = narrow(ring[slot, n, e], out)
 
 
-@jit
+@jit(inline="always")
 def _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride):
     """Add head n of the token at sequence position q into windows lo..hi, in order
     (the forward's path for a token in more than two windows)."""
