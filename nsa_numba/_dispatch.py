@@ -52,9 +52,9 @@ def run(plan, workspace=None):
     wt = _weight_table(plan)
     if plan.op == "forward":
         _threading.launch(forward_kernel(plan), plan.storage("input"), wt,
-                          plan.storage("out"), plan.tiles, plan.stride, scratch)
+                          plan.storage("out"), plan.tiles, plan.stride, plan.D, scratch)
         return
     _threading.launch(_kernels.compress_backward, plan.storage("grad"),
                       plan.storage("input"), wt, plan.storage("input_grad"), partials,
-                      plan.tiles, plan.stride, scratch)
+                      plan.tiles, plan.stride, plan.D, scratch)
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))

@@ -3,7 +3,10 @@
 Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs as
 ``[B, S, N, D]`` views (``_layouts``) in their storage dtype with any strides,
 ``wt`` as the weight transposed to ``[N, l]`` in the accumulator dtype, ``tiles``
-as the table from ``_plan.tile_schedule``.
+as the table from ``_plan.tile_schedule``. N comes from ``wt`` and D is an argument,
+never an array's shape: an array may arrive as a C-contiguous carrier padded beyond
+its own extent (``_layouts.c_carrier``), of which the kernels index only
+``[:, :, :N, :D]``.
 
 Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
 it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
@@ -125,7 +128,7 @@ def _segment_end(rel, lo, hi, last, block, stride, end):
 
 
 @jit_parallel
-def compress_forward(x, wt, out, tiles, stride, scratch):
+def compress_forward(x, wt, out, tiles, stride, D, scratch):
     """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
 
     A unit is one tile, all heads: it streams the tile's tokens in memory order and
@@ -135,8 +138,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
     at a time, in order. ``scratch`` holds one row per thread
     (``forward_scratch_elements``).
     """
-    N = x.shape[2]
-    D = x.shape[3]
+    N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
@@ -193,7 +195,7 @@ def compress_forward(x, wt, out, tiles, stride, scratch):
 
 
 @jit_parallel
-def compress_forward_rows(x, wt, out, tiles, stride, scratch):
+def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
     """``compress_forward`` one token per pass over D: faster for short token rows.
 
     Same arguments, same segments, same sums in the same order, so the same bits;
@@ -202,8 +204,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
     The two kernels share their segment walk but not their inner passes: one kernel
     with the group size as an argument measured 50% slower on short rows.
     """
-    N = x.shape[2]
-    D = x.shape[3]
+    N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
@@ -248,7 +249,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, scratch):
 
 
 @jit_parallel
-def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
+def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
@@ -263,8 +264,7 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, scratch):
     Gradient rows are decoded into a ring of ceil(l / d) slots as their windows
     open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
     """
-    N = x.shape[2]
-    D = x.shape[3]
+    N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):

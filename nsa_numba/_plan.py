@@ -50,7 +50,7 @@ from . import _seqlens
 from ._errors import invalid, missing
 from . import _kernels
 from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
-from ._layouts import LAYOUTS
+from ._layouts import LAYOUTS, c_carrier
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -138,7 +138,12 @@ class Plan:
         return ACCUMULATOR[kind_of(self.dtype)]
 
     def storage(self, role):
-        source = self.views.get(role, self.arrays[role])
+        """What the kernels take for ``role``: its ``[B, S, N, D]`` view (as a padded
+        C-contiguous carrier when possible) or its array, in the storage dtype."""
+        if role in self.views:
+            source = c_carrier(self.views[role])
+        else:
+            source = self.arrays[role]
         return source.view(STORAGE[kind_of(self.dtype)])
 
 

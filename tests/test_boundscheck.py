@@ -24,7 +24,7 @@ tiles[:, _kernels.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
     _kernels.compress_forward_rows(plan.storage("input"), _dispatch._weight_table(plan),
-                                   plan.storage("out"), tiles, 16, scratch)
+                                   plan.storage("out"), tiles, 16, 16, scratch)
 except Exception as err:
     # a parallel region re-raises it as SystemError with the IndexError as its cause
     chain = [err, err.__cause__, err.__context__]

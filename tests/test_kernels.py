@@ -26,7 +26,7 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     for kernel in (_kernels.compress_forward, _kernels.compress_forward_rows):
         out = plan.storage("out")
         out[...] = 0
-        kernel(plan.storage("input"), wt, out, plan.tiles, plan.stride, scratch)
+        kernel(plan.storage("input"), wt, out, plan.tiles, plan.stride, plan.D, scratch)
         results.append(out.copy())
     assert np.array_equal(results[0], results[1])
 

@@ -5,6 +5,7 @@ import pytest
 
 import nsa_numba
 from nsa_numba import NsaError
+from nsa_numba._layouts import c_carrier
 from nsa_numba.aclnn import (ACLNN_SUCCESS, aclnnNsaCompressGrad,
                              aclnnNsaCompressGradGetWorkspaceSize)
 from conftest import DTYPE_IDS, DTYPES
@@ -125,3 +126,30 @@ def test_layout_rules(layout, make, fragment):
                                actual_seq_len=args["actual_seq_len"], out=args["out"])
     assert info.value.status == 161002
     assert fragment in str(info.value), str(info.value)
+
+
+def _carrier_cases():
+    base = np.arange(3 * 10 * 6 * 40, dtype=np.float32).reshape(3, 10, 6, 40)
+    return {
+        "heads-slice": (base[:, :, 2:5, :], True),
+        "tokens-slice": (base[:, 3:7], True),
+        "all-dims-slice": (base[1:, 2:9, 1:4, 5:30], True),
+        "one-head": (base[:, :, 4:5, :], True),
+        "every-other-element": (base[..., ::2], False),
+        "reversed-tokens": (base[:, ::-1], False),
+        "heads-before-tokens": (base.transpose(0, 2, 1, 3), False),
+    }
+
+
+@pytest.mark.parametrize("case", list(_carrier_cases()))
+def test_c_carrier_gives_a_contiguous_view_of_the_same_elements(case):
+    a, expect_carrier = _carrier_cases()[case]
+    carrier = c_carrier(a)
+    if not expect_carrier:
+        assert carrier is a
+        return
+    assert carrier.flags.c_contiguous
+    assert carrier.__array_interface__["data"][0] == a.__array_interface__["data"][0]
+    B, S, N, D = a.shape
+    assert carrier.shape[0] == B and all(p >= n for p, n in zip(carrier.shape, a.shape))
+    assert np.array_equal(carrier[:, :S, :N, :D], a)    # the kernels' indices only
