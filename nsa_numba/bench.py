@@ -75,6 +75,10 @@ def sequence_ends(T, count):
     return np.linspace(0, T, count + 1).round().astype(np.int64)[1:].tolist()
 
 
+#: the non-contiguous input views ``--strided`` adds (see make_data)
+NON_CONTIGUOUS = ("sliced", "strided")
+
+
 @dataclass
 class Case:
     T: int
@@ -84,11 +88,11 @@ class Case:
     stride: int
     sequences: int
     dtype: str
-    strided: bool = False
+    view: str = "contiguous"   # or one of NON_CONTIGUOUS
 
     @property
     def label(self):
-        view = " strided" if self.strided else ""
+        view = "" if self.view == "contiguous" else f" {self.view}"
         return (f"T={self.T} N={self.N} D={self.D} l={self.block} d={self.stride} "
                 f"seqs={self.sequences} {self.dtype}{view}")
 
@@ -98,7 +102,9 @@ def make_data(case, seed=0):
     rng = np.random.default_rng(seed)
     seq = sequence_ends(case.T, case.sequences)
     shape = (case.T, case.N, case.D)
-    if case.strided:  # every other element of a buffer twice as wide
+    if case.view == "sliced":      # heads N..2N of a buffer of 2N heads
+        x = rng.standard_normal((case.T, 2 * case.N, case.D)).astype(dtype)[:, case.N:]
+    elif case.view == "strided":   # every other element of a buffer twice as wide
         x = rng.standard_normal(shape[:2] + (2 * case.D,)).astype(dtype)[..., ::2]
     else:
         x = rng.standard_normal(shape).astype(dtype)
@@ -207,9 +213,9 @@ def main(args):
         except ImportError:
             use_torch = False
     shapes = args.shape or DEFAULT_SHAPES
-    cases = [Case(*shape, dtype=dt, strided=strided)
-             for shape in shapes for dt in args.dtype
-             for strided in ((False, True) if args.strided else (False,))]
+    views = ("contiguous",) + (NON_CONTIGUOUS if args.strided else ())
+    cases = [Case(*shape, dtype=dt, view=view)
+             for shape in shapes for dt in args.dtype for view in views]
     biggest = max(c.T * c.N * c.D * numpy_dtype(c.dtype).itemsize for c in cases)
     print(f"measuring copy bandwidth on {threads} thread(s)...", file=sys.stderr, flush=True)
     copy_gbs = copy_bandwidth(2 * biggest, args.repeat)
@@ -238,6 +244,8 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, help="thread count (default: Numba's)")
     parser.add_argument("--repeat", type=int, default=10, help="timings per case (best kept)")
     parser.add_argument("--strided", action="store_true",
-                        help="also run each case on a non-contiguous input view")
+                        help="also run each case on non-contiguous input views: 'sliced' "
+                             "(heads N..2N of a 2N-head buffer) and 'strided' (every other "
+                             "element of a buffer twice as wide)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")

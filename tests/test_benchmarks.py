@@ -48,9 +48,9 @@ def test_bench_command_small_case(tmp_path):
         capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert "copy bandwidth" in proc.stdout and "backward" in proc.stdout
-    assert "[1/2]" in proc.stderr and "[2/2]" in proc.stderr      # progress
+    assert "[1/3]" in proc.stderr and "[3/3]" in proc.stderr      # progress
     data = json.loads(out.read_text())
-    assert [r["case"]["strided"] for r in data["results"]] == [False, True]
+    assert [r["case"]["view"] for r in data["results"]] == ["contiguous", "sliced", "strided"]
     for r in data["results"]:
         for op in ("forward", "backward"):
             assert r[op]["ms"] > 0 and r[op]["gbs"] > 0 and r[op]["pct_copy"] > 0
