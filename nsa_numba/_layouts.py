@@ -80,7 +80,7 @@ def c_carrier(a):
 
     Numba compiles loops over arrays that are not C-contiguous with the element
     stride as a run-time value, and LLVM does not vectorise them: a slice of heads,
-    tokens or batch rows of a larger array ran five times slower than the same data
+    tokens or batch rows of a larger array ran about six times slower than the same data
     contiguous, although each ``[D]`` row is contiguous in both. When ``a``'s last
     axis is contiguous and every other stride is a positive whole multiple of the
     next one, ``a`` is a block of a C-contiguous array of padded shape

@@ -50,6 +50,7 @@ from . import _seqlens
 from ._errors import invalid, missing
 from . import _kernels
 from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
+from ._jit import BOUNDSCHECK
 from ._layouts import LAYOUTS, c_carrier
 
 #: target input elements per tile (all heads): big enough to amortise the window
@@ -139,9 +140,11 @@ class Plan:
 
     def storage(self, role):
         """What the kernels take for ``role``: its ``[B, S, N, D]`` view (as a padded
-        C-contiguous carrier when possible) or its array, in the storage dtype."""
+        C-contiguous carrier when possible, except in the bounds-checked build, which
+        must check against the array's own extent) or its array, in the storage dtype."""
         if role in self.views:
-            source = c_carrier(self.views[role])
+            view = self.views[role]
+            source = view if BOUNDSCHECK else c_carrier(view)
         else:
             source = self.arrays[role]
         return source.view(STORAGE[kind_of(self.dtype)])
