@@ -114,6 +114,29 @@ def _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride):
             ring[si, n, e] += w * xf[e]
 
 
+@jit(inline="always")
+def _forward_tile(tiles, tile, block, stride):
+    """(b, s0, i0, i1, row0, rel, rel_end) of a forward tile: its batch row, sequence
+    start, windows i0..i1, first output row, and the sequence positions it reads."""
+    i0 = tiles[tile, I0]
+    i1 = tiles[tile, I1]
+    rel = i0 * stride
+    rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
+    return tiles[tile, BATCH], tiles[tile, S0], i0, i1, tiles[tile, KW0], rel, rel_end
+
+
+@jit(inline="always")
+def _open_segment(ring, rel, rel_end, i0, i1, block, stride):
+    """(lo, hi, nxt) of the forward segment starting at ``rel``: windows lo..hi cover
+    positions rel..nxt - 1 (none when lo > hi). Clears window hi's ring slot when it
+    opens at ``rel``."""
+    lo, hi = _covering(rel, block, stride, i0, i1 - 1)
+    nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+    if lo <= hi and rel == hi * stride:
+        _zero_slot(ring, hi % ring.shape[0])
+    return lo, hi, nxt
+
+
 @jit
 def _segment_end(rel, lo, hi, last, block, stride, end):
     """First position after ``rel`` where the set of covering windows changes.
@@ -142,25 +165,16 @@ def compress_forward(x, wt, out, tiles, stride, D, scratch):
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
-        tile = np.int64(unit)
-        b = tiles[tile, BATCH]
-        s0 = tiles[tile, S0]
-        i0 = tiles[tile, I0]
-        i1 = tiles[tile, I1]
-        row0 = tiles[tile, KW0]
+        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
+                                                          stride)
         ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
-        rel = i0 * stride
-        rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
         while rel < rel_end:
-            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
-            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+            lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
             if lo > hi:           # between windows (d > l): never read
                 rel = nxt
                 continue
             sa = lo % ring_size
             sb = hi % ring_size
-            if rel == hi * stride:
-                _zero_slot(ring, sb)  # window hi opens here
             for r in range(rel, nxt, GROUP):
                 t = s0 + r
                 ja = r - lo * stride
@@ -208,25 +222,16 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     for unit in prange(tiles.shape[0]):
-        tile = np.int64(unit)
-        b = tiles[tile, BATCH]
-        s0 = tiles[tile, S0]
-        i0 = tiles[tile, I0]
-        i1 = tiles[tile, I1]
-        row0 = tiles[tile, KW0]
+        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
+                                                          stride)
         ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
-        rel = i0 * stride
-        rel_end = (i1 - 1) * stride + block if i1 > i0 else rel
         while rel < rel_end:
-            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
-            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+            lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
             if lo > hi:           # between windows (d > l): never read
                 rel = nxt
                 continue
             sa = lo % ring_size
             sb = hi % ring_size
-            if rel == hi * stride:
-                _zero_slot(ring, sb)  # window hi opens here
             for r in range(rel, nxt):
                 t = s0 + r
                 ja = r - lo * stride
