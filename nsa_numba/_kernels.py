@@ -78,7 +78,7 @@ def forward_scratch_elements(N, D, block, stride):
 
 def backward_scratch_elements(N, D, block, stride):
     """Scratch one thread of ``compress_backward`` needs, in accumulator elements."""
-    return (ring_slots(block, stride) + block) * N * D + 2 * D
+    return (ring_slots(block, stride) + 1 + block) * N * D + 2 * D
 
 
 @jit
@@ -253,31 +253,88 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
             rel = nxt
 
 
+@jit(inline="always")
+def _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t, rel, lo, hi, stride, D):
+    """Both gradients' terms of one token at sequence position ``rel``, covered by
+    windows lo..hi (none when lo > hi), whose gradient rows are in ``gring``."""
+    zero = lanes.dtype.type(0)  # sums start at +0, as in a zeroed buffer
+    ring_size = gring.shape[0]
+    if lo > hi:  # no window covers t
+        for n in range(wt.shape[0]):
+            for e in range(D):
+                ig[b, t, n, e] = narrow(zero, ig)
+        return
+    ja = rel - lo * stride
+    jb = ja - stride
+    sa = lo % ring_size
+    sb = hi % ring_size
+    for n in range(wt.shape[0]):
+        wa = wt[n, ja]
+        if lo == hi:
+            for e in range(D):
+                v = widen(x[b, t, n, e])
+                p = gring[sa, n, e]
+                ig[b, t, n, e] = narrow(zero + wa * p, ig)
+                lanes[ja, n, e] += p * v
+        elif lo + 1 == hi:
+            wb = wt[n, jb]
+            for e in range(D):
+                v = widen(x[b, t, n, e])
+                p = gring[sa, n, e]
+                q = gring[sb, n, e]
+                ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
+                lanes[ja, n, e] += p * v
+                lanes[jb, n, e] += q * v
+        else:
+            _decode_token(x, b, t, n, xf)
+            for e in range(D):
+                p = gring[sa, n, e]
+                ia[e] = zero + wa * p
+                lanes[ja, n, e] += p * xf[e]
+            for i in range(lo + 1, hi + 1):
+                j = rel - i * stride
+                w = wt[n, j]
+                si = i % ring_size
+                for e in range(D):
+                    p = gring[si, n, e]
+                    ia[e] += w * p
+                    lanes[j, n, e] += p * xf[e]
+            for e in range(D):
+                ig[b, t, n, e] = narrow(ia[e], ig)
+
+
 @jit_parallel
 def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
-    (0 where no window covers t). Tokens covered by one or two windows (all of them
-    when l <= 2d) take one fused pass over D that reads x once and writes input_grad
-    directly.
+    (0 where no window covers t).
 
     partials[tile, n, j] = this tile's share of sum_i dot(g[i, n], x[start_i + j, n]):
-    per element e, the products over the tile's tokens in order, then those D sums
-    folded by ``_fold_rows``.
+    per element e, the products over the tile's tokens in order (``lanes[j, n, e]``),
+    then those D sums folded by ``_fold_rows``.
 
-    Gradient rows are decoded into a ring of ceil(l / d) slots as their windows
+    The tokens go in pairs of blocks of d (``stride``) tokens from a window start:
+    tokens r and r + d are the only ones of the pair that add to the same lanes
+    (r through window i, r + d through window i + 1, for each window i covering
+    r), and r's term comes first in the token order. So when both are covered by two
+    windows (the common case l <= 2d, away from sequence and tile edges), one pass
+    over D does both: it reads three gradient rows instead of four and each lane
+    once instead of twice, with the same sums in the same order. Other tokens go
+    one at a time (``_backward_token``).
+
+    Gradient rows are decoded into a ring of ceil(l / d) + 1 slots as their windows
     open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
     """
     N = wt.shape[0]
     block = wt.shape[1]
-    ring_size = ring_slots(block, stride)
+    ring_size = ring_slots(block, stride) + 1
     for unit in prange(tiles.shape[0]):
         tile = np.int64(unit)
         b = tiles[tile, BATCH]
         s0 = tiles[tile, S0]
-        tok_lo = tiles[tile, TOK_LO]
-        tok_hi = tiles[tile, TOK_HI]
+        rel = tiles[tile, TOK_LO] - s0
+        rel_hi = tiles[tile, TOK_HI] - s0
         first = tiles[tile, G0]             # windows first..last touch the owned tokens
         last = tiles[tile, G1] - 1
         row0 = tiles[tile, KW0]
@@ -289,59 +346,48 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
         xf = mine[at:at + D]
         ia = mine[at + D:at + 2 * D]
         lanes[:] = 0
-        zero = lanes.dtype.type(0)  # sums start at +0, as in a zeroed buffer
+        zero = lanes.dtype.type(0)
         next_window = first         # the next window to decode into the ring
-        for t in range(tok_lo, tok_hi):
-            rel = t - s0
-            lo, hi = _covering(rel, block, stride, first, last)
-            if lo > hi:  # no window covers t
-                for n in range(N):
-                    for e in range(D):
-                        ig[b, t, n, e] = narrow(zero, ig)
-                continue
-            while next_window <= hi:
+        while rel < rel_hi:         # rel: a window start (or the sequence start)
+            end = min(rel + 2 * stride, rel_hi)
+            newest = min(last, (end - 1) // stride)
+            while next_window <= newest:
                 slot = next_window % ring_size
                 for n in range(N):
                     for e in range(D):
                         gring[slot, n, e] = widen(g[b, row0 + next_window, n, e])
                 next_window += 1
-            ja = rel - lo * stride
-            jb = ja - stride
-            sa = lo % ring_size
-            sb = hi % ring_size
-            for n in range(N):
-                wa = wt[n, ja]
-                if lo == hi:
-                    for e in range(D):
-                        v = widen(x[b, t, n, e])
-                        p = gring[sa, n, e]
-                        ig[b, t, n, e] = narrow(zero + wa * p, ig)
-                        lanes[ja, n, e] += p * v
-                elif lo + 1 == hi:
-                    wb = wt[n, jb]
-                    for e in range(D):
-                        v = widen(x[b, t, n, e])
-                        p = gring[sa, n, e]
-                        q = gring[sb, n, e]
-                        ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
-                        lanes[ja, n, e] += p * v
-                        lanes[jb, n, e] += q * v
-                else:
-                    _decode_token(x, b, t, n, xf)
-                    for e in range(D):
-                        p = gring[sa, n, e]
-                        ia[e] = zero + wa * p
-                        lanes[ja, n, e] += p * xf[e]
-                    for i in range(lo + 1, hi + 1):
-                        j = rel - i * stride
-                        w = wt[n, j]
-                        si = i % ring_size
+            for r in range(rel, min(rel + stride, end)):
+                t = s0 + r
+                u = r + stride
+                lo, hi = _covering(r, block, stride, first, last)
+                lo_u, hi_u = _covering(u, block, stride, first, last)
+                if u < end and lo + 1 == hi and lo_u == hi and hi_u == hi + 1:
+                    ja = r - lo * stride
+                    jb = ja - stride
+                    sa = lo % ring_size
+                    sb = hi % ring_size
+                    sc = hi_u % ring_size
+                    for n in range(N):
+                        wa = wt[n, ja]
+                        wb = wt[n, jb]
                         for e in range(D):
-                            p = gring[si, n, e]
-                            ia[e] += w * p
-                            lanes[j, n, e] += p * xf[e]
-                    for e in range(D):
-                        ig[b, t, n, e] = narrow(ia[e], ig)
+                            v = widen(x[b, t, n, e])
+                            vu = widen(x[b, t + stride, n, e])
+                            p = gring[sa, n, e]
+                            q = gring[sb, n, e]
+                            s = gring[sc, n, e]
+                            ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
+                            ig[b, t + stride, n, e] = narrow((zero + wa * q) + wb * s, ig)
+                            lanes[ja, n, e] = (lanes[ja, n, e] + p * v) + q * vu
+                            lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
+                else:
+                    _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t, r, lo, hi,
+                                    stride, D)
+                    if u < end:
+                        _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t + stride, u,
+                                        lo_u, hi_u, stride, D)
+            rel = end
         _fold_rows(lanes)
         for n in range(N):
             for j in range(block):

@@ -34,7 +34,7 @@ protocol), in accumulator-dtype elements (4 bytes; 8 for float64):
 * one scratch slot per thread Numba may run (``NUMBA_NUM_THREADS``): the forward's
   ring of open windows (``ceil(l/d) * N * D + D``), or the backward's ring of
   decoded gradient rows and per-element weight-gradient sums
-  (``(ceil(l/d) + l) * N * D + 2 * D``), each rounded up to 16 elements.
+  (``(ceil(l/d) + 1 + l) * N * D + 2 * D``), each rounded up to 16 elements.
 
 Slots are indexed by Numba's thread id; what a slot holds never reaches a result
 through anything but the fixed-order sums above.
@@ -57,8 +57,11 @@ from ._layouts import LAYOUTS, c_carrier
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
 #: the cores and keep a tile's decoded gradient rows in cache
 TILE_ELEMENTS = 1 << 16
-#: and at least this many window lengths of tokens per tile
-TILE_BLOCKS = 8
+#: and at least this many window lengths of tokens per tile: forward, backward. A
+#: backward tile also zeroes and folds ``l * N * D`` weight-gradient sums, which costs
+#: about 2/TILE_BLOCKS of its input streaming (measured: 32 was 10-20% faster than 8;
+#: the forward has no such cost and was slower with longer tiles, for N = 4)
+TILE_BLOCKS = {"forward": 8, "grad": 32}
 
 #: the supported dtypes, by name. bfloat16 arrays come from ml_dtypes, which the
 #: library does not import (ml_dtypes 0.7.0 takes about 0.9 s to import): a
@@ -335,16 +338,17 @@ def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
 
 # -- tile schedule ---------------------------------------------------------------
 
-def windows_per_tile(block, stride, N, D):
-    """Windows per tile: enough tokens to amortise the per-tile weight-gradient fold
-    (over ``l * N * D`` sums, so at least ``TILE_BLOCKS * l`` tokens) and enough input
-    elements to amortise the per-tile setup."""
-    by_block = -(-TILE_BLOCKS * block // stride)
+def windows_per_tile(op, block, stride, N, D):
+    """Windows per tile for ``op`` ("forward" or "grad"): at least
+    ``TILE_BLOCKS[op] * l`` tokens (the backward's per-tile weight-gradient fold is
+    over ``l * N * D`` sums) and enough input elements to amortise the per-tile
+    setup."""
+    by_block = -(-TILE_BLOCKS[op] * block // stride)
     by_size = TILE_ELEMENTS // max(1, stride * N * D)
     return max(1, by_block, by_size)
 
 
-def tile_schedule(seqs, block, stride, N, D):
+def tile_schedule(op, seqs, block, stride, N, D):
     """The tile table described in the module docstring, one row per tile.
 
     Columns (named in ``_kernels``): BATCH the batch row, S0 sequence start token
@@ -352,7 +356,7 @@ def tile_schedule(seqs, block, stride, N, D):
     window, I0..I1 the tile's windows (sequence-local), TOK_LO..TOK_HI the tokens
     whose input gradient it owns, G0..G1 the windows that touch those tokens.
     """
-    per_tile = windows_per_tile(block, stride, N, D)
+    per_tile = windows_per_tile(op, block, stride, N, D)
     counts, lengths = seqs.windows, seqs.length
     n_tiles = np.where(counts > 0, -(-counts // per_tile), (lengths > 0).astype(np.int64))
     seq = np.repeat(np.arange(counts.size), n_tiles)
@@ -410,7 +414,7 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     out = _check_output(rules, "out", out, layout.shape(B, seqs.out_rows, N, D), x.dtype,
                         _window_dims(rules, layout))
     _check_no_overlap(rules, given, {"input": x, "weight": weight})
-    tiles = tile_schedule(seqs, block, stride, N, D)
+    tiles = tile_schedule("forward", seqs, block, stride, N, D)
     scratch = _kernels.forward_scratch_elements(N, D, block, stride)
     return Plan("forward", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
                 tiles, 0, scratch_slots(), _round16(scratch),
@@ -442,7 +446,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
     _check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
-    tiles = tile_schedule(seqs, block, stride, N, D)
+    tiles = tile_schedule("grad", seqs, block, stride, N, D)
     scratch = _kernels.backward_scratch_elements(N, D, block, stride)
     return Plan("grad", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
                 tiles, _round16(tiles.shape[0] * N * block), scratch_slots(),

@@ -281,8 +281,8 @@ def test_internal_errors_become_a_status(monkeypatch):
 
 def test_workspace_size_formula():
     # seed example: one tile per non-empty sequence (7 and 8 windows, below the
-    # 16-window tile size); partials 2*64*32 floats, then one slot per thread of
-    # (ceil(l/d) + l) * N * D + 2 * D floats
+    # 64-window backward tile size); partials 2*64*32 floats, then one slot per thread
+    # of (ceil(l/d) + 1 + l) * N * D + 2 * D floats
     from nsa_numba._plan import scratch_slots
     rng = np.random.default_rng(0)
     x = rng.standard_normal((272, 64, 128)).astype(np.float16)
@@ -291,7 +291,7 @@ def test_workspace_size_formula():
     status, size, executor = aclnnNsaCompressGradGetWorkspaceSize(
         g, x, w, [0, 128, 272], 32, 16, 0, "TND", np.empty_like(x), np.empty_like(w))
     assert status == ACLNN_SUCCESS
-    assert size == 4 * (2 * 64 * 32 + scratch_slots() * ((2 + 32) * 64 * 128 + 2 * 128))
+    assert size == 4 * (2 * 64 * 32 + scratch_slots() * ((2 + 1 + 32) * 64 * 128 + 2 * 128))
     status, size, _ = aclnnNsaCompressGetWorkspaceSize(x, w, [0, 128, 272], "TND", 32, 16, 0,
                                                        np.empty((15, 64, 128), np.float16))
     assert size == 4 * scratch_slots() * (2 * 64 * 128 + 128)
