@@ -2,8 +2,11 @@
 
 Both operators move far more bytes than they compute, so the honest yardstick is
 memory bandwidth, measured in the same run on the same threads: a parallel Numba
-copy of a buffer larger than the caches. Each case reports the best of ``repeat``
-timings, the GB/s that implies, that figure as a percentage of the copy's, and, when
+copy of a buffer larger than the caches, timed in turn with each case's forward and
+backward calls, round after round, so that a machine shared with other work slows
+all three alike. Each case reports medians over ``repeat`` rounds: the time, the
+GB/s it implies, the copy's GB/s, and the percentage of copy (the median over
+rounds of the kernel's rate against the same round's copy rate); and, when
 PyTorch is installed, the time of the idiomatic PyTorch implementation (``unfold`` +
 ``einsum``, autograd for the backward) on the same thread count.
 
@@ -53,21 +56,55 @@ def _parallel_copy(src, dst):
 
 def best_time(fn, repeat):
     """Best wall time of ``repeat`` calls after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
+    return min(round_times([fn], repeat)[0])
+
+
+def round_times(fns, repeat, settle=None):
+    """Wall times ``[function][round]`` of ``repeat`` rounds that call the functions
+    in turn, after one warm-up call each. On a machine shared with other work, load
+    that comes and goes then falls on all of them alike within a round. ``settle``,
+    if given, runs untimed before every timed call."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, mine in zip(fns, times):
+            if settle is not None:
+                settle()
+            t = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - t)
+    return times
 
 
-def copy_bandwidth(nbytes, repeat):
-    """GB/s (read + write) of a parallel copy of ``nbytes`` (at least 64 MiB)."""
+@jit_parallel
+def _read_all(buffer):
+    total = np.uint64(0)
+    for c in prange((buffer.size + _COPY_CHUNK - 1) // _COPY_CHUNK):
+        for i in range(c * _COPY_CHUNK, min(buffer.size, (c + 1) * _COPY_CHUNK)):
+            total += buffer[i]
+    return total
+
+
+class CacheFlush:
+    """Reads a clean buffer bigger than the caches: afterwards no timed call finds its
+    data still cached from the previous one, nor pays for writing back the dirty
+    lines the previous one left (a copy leaves its destination's tail dirty)."""
+
+    def __init__(self, nbytes=128 << 20):
+        self.buffer = np.ones(nbytes, np.uint8)
+
+    def __call__(self):
+        _read_all(self.buffer)
+
+
+def copy_task(nbytes):
+    """(function, bytes moved) of a parallel copy of ``nbytes`` (at least 64 MiB, more
+    than the caches hold); bytes moved counts the read and the write."""
     nbytes = max(int(nbytes), 64 << 20)
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    return 2 * nbytes / best_time(lambda: _parallel_copy(src, dst), repeat) / 1e9
+    return (lambda: _parallel_copy(src, dst)), 2 * nbytes
 
 
 def sequence_ends(T, count):
@@ -145,23 +182,30 @@ def torch_baseline(case, x, w, g, seq, repeat):
     return t_fwd, t_bwd
 
 
-def run_case(case, repeat, copy_gbs, use_torch):
+def run_case(case, repeat, copy, use_torch, flush):
+    """Time one case: forward, backward and ``copy`` (a ``copy_task``) in turn, each
+    after ``flush`` (a ``CacheFlush``)."""
     x, w, g, out, seq = make_data(case)
     dx = np.empty(x.shape, x.dtype)
     dw = np.empty_like(w)
     l, d = case.block, case.stride
-    t_fwd = best_time(lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
-                      repeat)
-    t_bwd = best_time(lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
-                                                    input_grad=dx, weight_grad=dw), repeat)
+    copy_fn, copy_bytes = copy
+    t_copy, t_fwd, t_bwd = (np.array(t) for t in round_times(
+        [copy_fn,
+         lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+         lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                       input_grad=dx, weight_grad=dw)], repeat,
+        settle=flush))
+    copy_gbs = copy_bytes / np.median(t_copy) / 1e9
     item = x.dtype.itemsize
     fwd_bytes = (x.size + out.size) * item
     bwd_bytes = (2 * x.size + g.size) * item
     result = dict(case=asdict(case), label=case.label, copy_gbs=copy_gbs)
-    for op, seconds, nbytes in (("forward", t_fwd, fwd_bytes), ("backward", t_bwd, bwd_bytes)):
-        gbs = nbytes / seconds / 1e9
-        result[op] = dict(ms=seconds * 1e3, bytes=nbytes, gbs=gbs,
-                          pct_copy=100 * gbs / copy_gbs)
+    for op, t, nbytes in (("forward", t_fwd, fwd_bytes), ("backward", t_bwd, bwd_bytes)):
+        # each round's kernel rate against that round's copy rate, then the median
+        pct = np.median(100 * (nbytes / t) / (copy_bytes / t_copy))
+        result[op] = dict(ms=np.median(t) * 1e3, best_ms=t.min() * 1e3, bytes=nbytes,
+                          gbs=nbytes / np.median(t) / 1e9, pct_copy=float(pct))
     baseline = torch_baseline(case, x, w, g, seq, max(1, repeat // 3)) if use_torch else None
     if baseline is not None:
         for op, seconds in zip(("forward", "backward"), baseline):
@@ -171,7 +215,7 @@ def run_case(case, repeat, copy_gbs, use_torch):
 
 
 def format_table(results):
-    head = (f"{'case':<52}{'op':<9}{'ms':>9}{'GB/s':>8}{'% copy':>8}"
+    head = (f"{'case':<52}{'op':<9}{'ms':>9}{'GB/s':>8}{'copy':>7}{'% copy':>8}"
             f"{'torch ms':>10}{'x torch':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -180,7 +224,8 @@ def format_table(results):
             torch_cols = (f"{m['torch_ms']:>10.2f}{m['speedup']:>8.1f}x" if "torch_ms" in m
                           else f"{'-':>10}{'-':>9}")
             lines.append(f"{r['label'] if op == 'forward' else '':<52}{op:<9}"
-                         f"{m['ms']:>9.3f}{m['gbs']:>8.1f}{m['pct_copy']:>7.0f}%{torch_cols}")
+                         f"{m['ms']:>9.3f}{m['gbs']:>8.1f}{r['copy_gbs']:>7.1f}"
+                         f"{m['pct_copy']:>7.0f}%{torch_cols}")
     return "\n".join(lines)
 
 
@@ -217,20 +262,22 @@ def main(args):
     cases = [Case(*shape, dtype=dt, view=view)
              for shape in shapes for dt in args.dtype for view in views]
     biggest = max(c.T * c.N * c.D * numpy_dtype(c.dtype).itemsize for c in cases)
-    print(f"measuring copy bandwidth on {threads} thread(s)...", file=sys.stderr, flush=True)
-    copy_gbs = copy_bandwidth(2 * biggest, args.repeat)
+    copy = copy_task(2 * biggest)
+    flush = CacheFlush()
     results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
-        results.append(run_case(case, args.repeat, copy_gbs, use_torch))
-    print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {copy_gbs:.1f} GB/s "
-          f"(parallel copy, read + write, same run); best of {args.repeat}")
+        results.append(run_case(case, args.repeat, copy, use_torch, flush))
+    copies = [r["copy_gbs"] for r in results]
+    print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {min(copies):.1f}-"
+          f"{max(copies):.1f} GB/s (parallel copy of {copy[1] // 2 >> 20} MiB, read + write, "
+          f"timed in turn with each case's calls); medians of {args.repeat} rounds")
     print(format_table(results))
     if not use_torch:
         print("(PyTorch columns: not installed or --no-torch)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=threads, copy_gbs=copy_gbs, repeat=args.repeat,
+            json.dump(dict(threads=threads, copy_bytes=copy[1], repeat=args.repeat,
                            results=results), f, indent=2)
     return 0
 
@@ -242,7 +289,8 @@ def add_arguments(parser):
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES),
                         help="dtypes to run (repeatable); default: bf16 and fp16")
     parser.add_argument("--threads", type=int, help="thread count (default: Numba's)")
-    parser.add_argument("--repeat", type=int, default=10, help="timings per case (best kept)")
+    parser.add_argument("--repeat", type=int, default=10,
+                        help="timing rounds per case (medians reported)")
     parser.add_argument("--strided", action="store_true",
                         help="also run each case on non-contiguous input views: 'sliced' "
                              "(heads N..2N of a 2N-head buffer) and 'strided' (every other "
