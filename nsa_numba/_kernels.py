@@ -381,12 +381,11 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
                             ig[b, t + stride, n, e] = narrow((zero + wa * q) + wb * s, ig)
                             lanes[ja, n, e] = (lanes[ja, n, e] + p * v) + q * vu
                             lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
-                else:
-                    _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t, r, lo, hi,
-                                    stride, D)
-                    if u < end:
-                        _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t + stride, u,
-                                        lo_u, hi_u, stride, D)
+                else:       # r, then r + d if it is in the tile (one call site: the
+                    for q in range(r, end, stride):    # helper is inlined)
+                        lo_q, hi_q = _covering(q, block, stride, first, last)
+                        _backward_token(x, wt, ig, gring, lanes, xf, ia, b, s0 + q, q, lo_q,
+                                        hi_q, stride, D)
             rel = end
         _fold_rows(lanes)
         for n in range(N):
