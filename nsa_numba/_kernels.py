@@ -381,11 +381,13 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
                             ig[b, t + stride, n, e] = narrow((zero + wa * q) + wb * s, ig)
                             lanes[ja, n, e] = (lanes[ja, n, e] + p * v) + q * vu
                             lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
-                else:       # r, then r + d if it is in the tile (one call site: the
-                    for q in range(r, end, stride):    # helper is inlined)
-                        lo_q, hi_q = _covering(q, block, stride, first, last)
-                        _backward_token(x, wt, ig, gring, lanes, xf, ia, b, s0 + q, q, lo_q,
-                                        hi_q, stride, D)
+                else:
+                    # r, then r + d if the tile has it; a loop rather than two calls, as
+                    # the helper is inlined (two copies cost seconds of compile time)
+                    for rr in range(r, end, stride):
+                        lo_r, hi_r = _covering(rr, block, stride, first, last)
+                        _backward_token(x, wt, ig, gring, lanes, xf, ia, b, s0 + rr, rr, lo_r,
+                                        hi_r, stride, D)
             rel = end
         _fold_rows(lanes)
         for n in range(N):
