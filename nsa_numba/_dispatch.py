@@ -51,10 +51,10 @@ def run(plan, workspace=None):
     partials, scratch = carve(plan, workspace)
     wt = _weight_table(plan)
     if plan.op == "forward":
-        _threading.launch(forward_kernel(plan), plan.storage("input"), wt,
+        _threading.launch(forward_kernel(plan), plan.storage("input", workspace), wt,
                           plan.storage("out"), plan.tiles, plan.stride, plan.D, scratch)
         return
-    _threading.launch(_kernels.compress_backward, plan.storage("grad"),
-                      plan.storage("input"), wt, plan.storage("input_grad"), partials,
-                      plan.tiles, plan.stride, plan.D, scratch)
+    _threading.launch(_kernels.compress_backward, plan.storage("grad", workspace),
+                      plan.storage("input", workspace), wt, plan.storage("input_grad"),
+                      partials, plan.tiles, plan.stride, plan.D, scratch)
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))

@@ -14,6 +14,11 @@ storage     format           decode / encode
 ``float64`` float64          identity
 =========== ================ =========================================
 
+Inputs read at a step of 2 or 4 elements arrive as wider words, each holding one
+element and the gap after it (``_layouts.word_view``): ``uint32``/``uint64`` words
+hold a float16 in their low 16 bits, ``int32``/``int64`` a bfloat16, ``complex64``/
+``complex128`` a float32/float64 as the real part. :func:`widen` decodes those too.
+
 :func:`widen` turns one stored element into the accumulator type, :func:`narrow`
 rounds an accumulator value into the storage type of a given array. LLVM inlines
 both into the kernels' loops; no whole-array conversion pass ever runs. Integer
@@ -187,6 +192,10 @@ def f32_to_bf16(value):
 def widen(stored):
     """One stored element as its accumulator type (float32, or float64 for float64)."""
     # This body runs only under NUMBA_DISABLE_JIT; compiled code uses _widen_impl.
+    if isinstance(stored, (np.uint32, np.uint64, np.int32, np.int64)):
+        stored = np.array(stored).astype(np.uint16 if stored.dtype.kind == "u" else np.int16)[()]
+    if isinstance(stored, (np.complex64, np.complex128)):
+        return stored.real
     if isinstance(stored, np.uint16):
         return np.float32(np.array(stored).view(np.float16))
     if isinstance(stored, np.int16):
@@ -216,6 +225,14 @@ def _widen_impl(stored):
         return lambda stored: bf16_to_f32(stored)
     if stored in (types.float32, types.float64):
         return lambda stored: stored
+    # words of inputs read at a step (_layouts.word_view): the element is the low
+    # half (integers: little-endian only, which word_view checks) or the real part
+    if stored in (types.uint32, types.uint64):
+        return lambda stored: widen(np.uint16(stored))
+    if stored in (types.int32, types.int64):
+        return lambda stored: widen(np.int16(stored))
+    if stored in (types.complex64, types.complex128):
+        return lambda stored: stored.real
     return None
 
 

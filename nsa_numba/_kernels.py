@@ -6,7 +6,8 @@ Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs
 as the table from ``_plan.tile_schedule``. N comes from ``wt`` and D is an argument,
 never an array's shape: an array may arrive as a C-contiguous carrier padded beyond
 its own extent (``_layouts.c_carrier``), of which the kernels index only
-``[:, :, :N, :D]``.
+``[:, :, :N, :D]``. An input read at a step of elements may arrive as words
+(``_layouts.word_view``); ``widen`` takes its element from each word.
 
 Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
 it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
@@ -37,7 +38,7 @@ from ._jit import jit, jit_parallel
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
-    "_halfprec.py": "e737e125d9d43124",
+    "_halfprec.py": "0d76336e7c518e96",
     "_jit.py": "91fc5f6e88a5a702",
 }
 

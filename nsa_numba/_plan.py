@@ -52,7 +52,7 @@ from ._errors import invalid, missing
 from . import _kernels
 from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
 from ._jit import BOUNDSCHECK, jit
-from ._layouts import LAYOUTS, c_carrier
+from ._layouts import LAYOUTS, c_carrier, word_view
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -75,6 +75,11 @@ STORAGE = {FLOAT16: np.dtype(np.uint16), BFLOAT16: np.dtype(np.int16),
 #: accumulation dtype: float32, except float64 problems
 ACCUMULATOR = {FLOAT16: np.dtype(np.float32), BFLOAT16: np.dtype(np.float32),
                FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
+
+
+#: roles the kernels only read, and roles they write
+INPUT_ROLES = ("input", "grad")
+OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,16 +148,24 @@ class Plan:
     def accumulator(self):
         return ACCUMULATOR[kind_of(self.dtype)]
 
-    def storage(self, role):
+    def storage(self, role, workspace=None):
         """What the kernels take for ``role``: its ``[B, S, N, D]`` view (as a padded
         C-contiguous carrier when possible, except in the bounds-checked build, which
-        must check against the array's own extent) or its array, in the storage dtype."""
-        if role in self.views:
-            view = self.views[role]
-            source = view if BOUNDSCHECK else c_carrier(view)
-        else:
-            source = self.arrays[role]
-        return source.view(STORAGE[kind_of(self.dtype)])
+        must check against the array's own extent) or its array, in the storage dtype;
+        an input read at a step of 2 or 4 elements as words (``_layouts.word_view``)
+        when their gap bytes are not written by the run (outputs, ``workspace``)."""
+        storage = STORAGE[kind_of(self.dtype)]
+        if role not in self.views:
+            return self.arrays[role].view(storage)
+        view = self.views[role].view(storage)
+        if role in INPUT_ROLES:
+            written = [self.arrays[k] for k in OUTPUT_ROLES if k in self.arrays]
+            if workspace is not None:
+                written.append(workspace)
+            words = word_view(view, storage, avoid=written)
+            if words is not None:
+                view = words
+        return view if BOUNDSCHECK else c_carrier(view)
 
 
 # -- argument checks -------------------------------------------------------------

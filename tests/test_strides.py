@@ -98,3 +98,75 @@ def _view_index(base, view):
         shape[axis] = n
         offsets = offsets + (np.arange(n) * st).reshape(shape)
     return (offsets // base.itemsize).ravel()
+
+
+# -- inputs read as words (_layouts.word_view) ---------------------------------------
+
+def _input_storage(x, w):
+    """The array the forward kernel reads ``x`` through."""
+    from nsa_numba._plan import Rules, plan_forward
+    out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ)
+    return plan_forward(Rules("test"), x, w, L, S, SEQ, 0, "TND", out).storage("input")
+
+
+def _every(a, k, gap_value=9.0):
+    """``a`` as every k-th element of a buffer k times as wide (the gaps hold
+    ``gap_value``, which must not reach any result)."""
+    wide = np.full(a.shape[:-1] + (k * a.shape[-1],), gap_value).astype(a.dtype)
+    view = wide[..., ::k]
+    view[...] = a
+    return view
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_inputs_at_a_step_are_read_as_words(k, dtype):
+    x, w, g, out, dx, dw = _contiguous_results(dtype)
+    if k == 4 and np.dtype(dtype).itemsize != 2:
+        assert _input_storage(_every(x, k), w).dtype == x.dtype   # not a word type
+        return
+    xs, gs = _every(x, k), _every(g, k, gap_value=-3.0)
+    word = _input_storage(xs, w)
+    assert word.dtype.itemsize == k * x.itemsize and word.flags.c_contiguous
+    assert _same_bits(nsa_numba.nsa_compress(xs, w, L, S, actual_seq_len=SEQ), out)
+    sdx, sdw = nsa_numba.nsa_compress_grad(gs, xs, w, L, S, actual_seq_len=SEQ)
+    assert _same_bits(sdx, dx) and _same_bits(sdw, dw)
+
+
+def test_no_word_reads_past_the_buffer(dtype):
+    """The last element of a [..., ::2] view of an odd-width buffer is the buffer's
+    last element: its word would read past the end, so the plain strided path runs."""
+    x, w, g, out, dx, dw = _contiguous_results(dtype)
+    wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1] - 1,), dtype)
+    xs = wide[..., ::2]
+    xs[...] = x
+    assert _input_storage(xs, w).itemsize == x.itemsize
+    assert _same_bits(nsa_numba.nsa_compress(xs, w, L, S, actual_seq_len=SEQ), out)
+    sdx, sdw = nsa_numba.nsa_compress_grad(g, xs, w, L, S, actual_seq_len=SEQ)
+    assert _same_bits(sdx, dx) and _same_bits(sdw, dw)
+
+
+def test_no_word_reads_of_output_elements(dtype):
+    """input and input_grad interleaved in one buffer: the input's words would hold
+    input_grad elements the kernel writes, so the input is read element by element."""
+    from nsa_numba._plan import Rules, plan_grad
+    x, w, g, out, dx, dw = _contiguous_results(dtype)
+    both = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype)
+    xs, igs = both[..., 0::2], both[..., 1::2]
+    xs[...] = x
+    wg = np.empty_like(w)
+    plan = plan_grad(Rules("test"), g, xs, w, L, S, SEQ, 0, "TND", igs, wg)
+    assert plan.storage("input").itemsize == x.itemsize
+    nsa_numba.nsa_compress_grad(g, xs, w, L, S, actual_seq_len=SEQ, input_grad=igs,
+                                weight_grad=wg)
+    assert _same_bits(igs, dx) and _same_bits(wg, dw) and _same_bits(xs, x)
+
+
+def test_no_unaligned_words():
+    """A view starting 2 bytes into a 4-byte word is read element by element."""
+    x, w, g, out, dx, dw = _contiguous_results(np.float16)
+    raw = np.zeros(x.size * 2 + 2, np.float16)[1:-1].reshape(x.shape[:-1] + (-1,))
+    xs = raw[..., ::2]
+    xs[...] = x
+    assert xs.ctypes.data % 4 == 2
+    assert _input_storage(xs, w).dtype == np.uint16
+    assert _same_bits(nsa_numba.nsa_compress(xs, w, L, S, actual_seq_len=SEQ), out)
