@@ -34,12 +34,14 @@ from numba import get_thread_id, prange
 
 from ._halfprec import narrow, widen
 from ._jit import jit, jit_parallel
+from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "0d76336e7c518e96",
     "_jit.py": "91fc5f6e88a5a702",
+    "_prefetch.py": "05078f80db197570",
 }
 
 #: tokens per pass over D in compress_forward's common paths
@@ -218,10 +220,17 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
     four-row passes stall on loads, while one row at a time reads memory in order).
     The two kernels share their segment walk but not their inner passes: one kernel
     with the group size as an argument measured 50% slower on short rows.
+
+    Each token asks for the row AHEAD_BYTES further on (software prefetch): short
+    rows are too short for the hardware prefetchers to run far ahead, least of all
+    when they are slices of longer rows.
     """
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
+    # the bytes of a token row the kernel reads, and how many rows ahead to prefetch
+    row_bytes = ((N - 1) * x.shape[3] + D) * x.itemsize if N > 0 else 0
+    ahead = max(1, AHEAD_BYTES // max(row_bytes, 1))
     for unit in prange(tiles.shape[0]):
         b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
                                                           stride)
@@ -235,6 +244,9 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
             sb = hi % ring_size
             for r in range(rel, nxt):
                 t = s0 + r
+                if t + ahead < x.shape[1]:
+                    for offset in range(0, row_bytes, LINE_BYTES):
+                        prefetch_row(x, b, t + ahead, offset)
                 ja = r - lo * stride
                 for n in range(N):
                     wa = wt[n, ja]

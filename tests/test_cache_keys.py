@@ -1,8 +1,8 @@
 """Numba keys the disk cache of _kernels.py on that file's text only.
 
-The kernels inline code from _halfprec.py and take their flags from _jit.py, so
-_kernels.CACHE_DEPENDS records digests of both: editing either without updating
-the digest here would let a stale compiled kernel be loaded.
+The kernels inline code from _halfprec.py and _prefetch.py and take their flags from
+_jit.py, so _kernels.CACHE_DEPENDS records digests of all three: editing one without
+updating its digest there would let a stale compiled kernel be loaded.
 """
 
 import hashlib
@@ -13,6 +13,10 @@ from nsa_numba import _kernels
 
 def test_cache_dependencies_are_current():
     here = pathlib.Path(_kernels.__file__).parent
+    imported = {line.split()[1][1:] + ".py" for line in
+                (here / "_kernels.py").read_text().splitlines()
+                if line.startswith("from ._")}
+    assert imported <= set(_kernels.CACHE_DEPENDS), "a module the kernels import has no digest"
     for name, digest in _kernels.CACHE_DEPENDS.items():
         actual = hashlib.sha256((here / name).read_bytes()).hexdigest()[:16]
         assert actual == digest, (
