@@ -41,7 +41,7 @@ from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
 CACHE_DEPENDS = {
     "_halfprec.py": "0d76336e7c518e96",
     "_jit.py": "91fc5f6e88a5a702",
-    "_prefetch.py": "05078f80db197570",
+    "_prefetch.py": "4919cebb64fefdaf",
 }
 
 #: tokens per pass over D in compress_forward's common paths

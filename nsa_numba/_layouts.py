@@ -21,6 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:       # numpy < 2
+    from numpy import byte_bounds
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -156,9 +161,8 @@ def word_view(a, storage, avoid=()):
     word = WORD_STORAGE.get((storage, step))
     if word is None or (word.kind in "iu" and sys.byteorder != "little"):
         return None
-    lo, hi = np.lib.array_utils.byte_bounds(a)
-    root_lo, root_hi = np.lib.array_utils.byte_bounds(_root(a))
-    if hi - a.itemsize + step > root_hi:
+    high = byte_bounds(a)[1]              # one past the highest element's last byte
+    if high - a.itemsize + step > byte_bounds(_root(a))[1]:
         return None
     k = step // a.itemsize
     span = np.lib.stride_tricks.as_strided(

@@ -43,7 +43,9 @@ def prefetch_row(typingctx, arr, b, t, offset):
         byte_ptr = builder.gep(byte_ptr, [context.cast(builder, args[3], sig.args[3],
                                                        types.intp)])
         fnty = ir.FunctionType(ir.VoidType(), [byte_ptr.type] + [ir.IntType(32)] * 3)
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # the name carries the pointer type: p0 (opaque pointers) or p0i8 (older LLVM)
+        fn = cgutils.get_or_insert_function(
+            builder.module, fnty, "llvm.prefetch." + byte_ptr.type.intrinsic_name)
         i32 = ir.IntType(32)
         # read (0), locality, data cache (1)
         builder.call(fn, [byte_ptr, ir.Constant(i32, 0), ir.Constant(i32, _LOCALITY),
