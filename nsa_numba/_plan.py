@@ -172,7 +172,8 @@ class Plan:
 
 def _check_int(rules, key, value):
     name = rules.names[key]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, (bool, np.bool_))   # int: no ABC check
+                                   or not isinstance(value, numbers.Integral)):
         raise invalid(rules.op, f"{name} must be an integer, got {value!r} "
                                 f"({type(value).__name__})")
     value = int(value)
@@ -328,11 +329,8 @@ class Sequences:
 def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
     name = rules.names["actual_seq_len"]
     if layout.packed:
-        offsets = _seqlens.sequence_offsets(rules.op, actual_seq_len, seq_type, S,
-                                            rules.names)
-        lengths = np.diff(offsets)
-        counts = _seqlens.window_counts(lengths, block, stride)
-        rows = _seqlens.window_offsets(counts)
+        offsets, lengths, counts, rows = _seqlens.packed_tables(
+            rules.op, actual_seq_len, seq_type, S, block, stride, rules.names)
         seqs = Sequences(np.zeros(lengths.size, np.int64), offsets[:-1], lengths, rows[:-1],
                          counts, int(rows[-1]))
     else:
@@ -344,7 +342,7 @@ def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
         counts = _seqlens.window_counts(lengths, block, stride)
         seqs = Sequences(np.arange(B, dtype=np.int64), np.zeros(B, np.int64), lengths,
                          np.zeros(B, np.int64), counts, int(counts[0]) if B else 0)
-    if rules.strict and not seqs.windows.any():
+    if rules.strict and seqs.out_rows == 0:             # no sequence has a window
         raise invalid(rules.op, f"no sequence is as long as {rules.names['block']} = "
                                 f"{block}, so there is no window (T' = 0); sequence "
                                 f"lengths {_seqlens._show(seqs.length)}")

@@ -11,6 +11,7 @@ import numbers
 import numpy as np
 
 from ._errors import invalid
+from ._jit import jit
 
 CUMULATIVE = 0   # actual_seq_len holds the running ends of the sequences
 LENGTHS = 1      # actual_seq_len holds one length per sequence
@@ -46,7 +47,8 @@ def _as_int_vector(op, name, values):
         raise invalid(op, f"{name} must be None, a list, a tuple or a 1-D integer array, "
                           f"got {type(values).__name__}")
     for i, v in enumerate(values):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        if type(v) is not int and (isinstance(v, (bool, np.bool_))   # int: no ABC check
+                                   or not isinstance(v, numbers.Integral)):
             raise invalid(op, f"{name}[{i}] must be an integer, got {v!r} "
                               f"({type(v).__name__})")
         if not -_INT64_MAX - 1 <= int(v) <= _INT64_MAX:
@@ -102,3 +104,52 @@ def window_counts(lengths, block, stride):
 def window_offsets(counts):
     """Output row of each sequence's first window, plus the total ``T'`` at the end."""
     return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+
+
+def packed_tables(op, actual_seq_len, seq_len_type, total_tokens, block, stride, names):
+    """(offsets, lengths, window counts, window offsets) of the packed sequences: the
+    results of ``sequence_offsets``, ``np.diff``, ``window_counts`` and
+    ``window_offsets``, worked out by one compiled pass.
+
+    A call often follows other work that has pushed this module's code and data out
+    of the CPU caches; the NumPy steps, a dozen small array operations, then took
+    about 0.25 ms, the compiled pass under 0.1 ms. Values the pass rejects go to
+    ``sequence_offsets``, whose error names the rule they break.
+    """
+    if actual_seq_len is None:
+        values, kind = np.array([total_tokens], np.int64), CUMULATIVE
+    else:
+        values = _as_int_vector(op, names["actual_seq_len"], actual_seq_len)
+        kind = seq_len_type
+    ok, offsets, lengths, counts, rows = _packed_tables(values, kind, total_tokens, block,
+                                                        stride)
+    if not ok:
+        sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names)
+        raise AssertionError(f"sequence values rejected by the compiled check only: "
+                             f"{_show(actual_seq_len)}")
+    return offsets, lengths, counts, rows
+
+
+@jit
+def _packed_tables(values, kind, total_tokens, block, stride):
+    """(ok, offsets, lengths, counts, rows); ``ok`` is False exactly when
+    ``sequence_offsets`` raises for these values (``kind``: CUMULATIVE or LENGTHS)."""
+    n = values.size
+    offsets = np.zeros(n + 1, np.int64)
+    lengths = np.zeros(n, np.int64)
+    counts = np.zeros(n, np.int64)
+    rows = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        v = values[i]
+        if v < 0:
+            return False, offsets, lengths, counts, rows
+        # lengths: v >= 0 and offsets[i] >= 0, so a sum past int64 wraps below offsets[i]
+        end = v if kind == CUMULATIVE else offsets[i] + v
+        if end < offsets[i] or end > total_tokens:    # decreasing ends, or past T
+            return False, offsets, lengths, counts, rows
+        offsets[i + 1] = end
+        length = end - offsets[i]
+        lengths[i] = length
+        counts[i] = (length - block) // stride + 1 if length >= block else 0
+        rows[i + 1] = rows[i] + counts[i]
+    return n > 0 and offsets[n] == total_tokens, offsets, lengths, counts, rows

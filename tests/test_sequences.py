@@ -78,3 +78,62 @@ def test_nan_and_inf_propagate(bad, dtype):
     assert np.array_equal(np.isnan(out), np.isnan(exact))
     assert np.array_equal(out[np.isinf(exact)], exact[np.isinf(exact)])
     assert np.isfinite(out[~hit]).all()
+
+
+# -- the compiled sequence tables against the NumPy steps they replace -------------
+
+def _numpy_tables(values, seq_type, T, block, stride):
+    """(offsets, lengths, counts, rows) by the NumPy functions, or the NsaError."""
+    from nsa_numba import _seqlens
+    try:
+        offsets = _seqlens.sequence_offsets("op", values, seq_type, T, _NAMES)
+    except nsa_numba.NsaError as e:
+        return e
+    counts = _seqlens.window_counts(np.diff(offsets), block, stride)
+    return offsets, np.diff(offsets), counts, _seqlens.window_offsets(counts)
+
+
+_NAMES = {"actual_seq_len": "actual_seq_len", "actual_seq_len_type": "actual_seq_len_type"}
+_BIG = np.iinfo(np.int64).max
+
+
+def _sequence_cases():
+    rng = np.random.default_rng(7)
+    yield None, 0, 100
+    yield [], 0, 0
+    yield [0], 0, 0
+    yield [_BIG, _BIG], 1, 50             # a running sum past int64
+    yield [50, _BIG], 1, 50
+    yield np.array([2 ** 63 + 5], np.uint64), 0, 5
+    for _ in range(400):
+        n = int(rng.integers(1, 7))
+        lengths = rng.integers(0, 90, n)
+        T = int(lengths.sum())
+        seq_type = int(rng.integers(0, 2))
+        values = (np.cumsum(lengths) if seq_type == 0 else lengths).tolist()
+        breakage = rng.integers(0, 5)
+        if breakage == 1:                 # one value off by a little, either way
+            values[int(rng.integers(0, n))] += int(rng.choice([-3, -1, 1, 2]))
+        elif breakage == 2:               # a negative value
+            values[int(rng.integers(0, n))] = -int(rng.integers(1, 5))
+        elif breakage == 3:               # T off by one
+            T += int(rng.choice([-1, 1]))
+        yield (np.array(values) if rng.integers(0, 2) else values), seq_type, max(T, 0)
+
+
+@pytest.mark.parametrize("block,stride", [(32, 16), (16, 16), (5, 3)])
+def test_compiled_sequence_tables_match_numpy(block, stride):
+    from nsa_numba import _seqlens
+    rejected = 0
+    for values, seq_type, T in _sequence_cases():
+        expected = _numpy_tables(values, seq_type, T, block, stride)
+        if isinstance(expected, Exception):
+            rejected += 1
+            with pytest.raises(nsa_numba.NsaError) as got:
+                _seqlens.packed_tables("op", values, seq_type, T, block, stride, _NAMES)
+            assert str(got.value) == str(expected) and got.value.status == expected.status
+            continue
+        got = _seqlens.packed_tables("op", values, seq_type, T, block, stride, _NAMES)
+        for a, b in zip(got, expected):
+            assert a.dtype == np.int64 and np.array_equal(a, b), (values, seq_type, T)
+    assert 100 < rejected < 350              # both kinds of case were exercised
