@@ -41,7 +41,6 @@ through anything but the fixed-order sums above.
 """
 
 import functools
-import numbers
 from dataclasses import dataclass, field
 
 import numba
@@ -92,8 +91,6 @@ def kind_of(dtype):
             return name
     return None
 
-
-_INT64_MAX = np.iinfo(np.int64).max
 
 PY_NAMES = {
     "input": "input", "weight": "weight", "grad": "grad", "out": "out",
@@ -171,15 +168,7 @@ class Plan:
 # -- argument checks -------------------------------------------------------------
 
 def _check_int(rules, key, value):
-    name = rules.names[key]
-    if type(value) is not int and (isinstance(value, (bool, np.bool_))   # int: no ABC check
-                                   or not isinstance(value, numbers.Integral)):
-        raise invalid(rules.op, f"{name} must be an integer, got {value!r} "
-                                f"({type(value).__name__})")
-    value = int(value)
-    if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
-        raise invalid(rules.op, f"{name} must fit in int64, got {value}")
-    return value
+    return _seqlens.as_int64(rules.op, rules.names[key], value)
 
 
 def _check_array(rules, key, a, ndim, dims):

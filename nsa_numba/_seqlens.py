@@ -33,6 +33,19 @@ def _show(values, limit=8, width=200):
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def as_int64(op, label, value):
+    """``value`` as a Python int, or NsaError naming ``label`` unless it is an integer
+    (not a bool) that fits in int64."""
+    if type(value) is not int and (isinstance(value, (bool, np.bool_))   # int: no ABC check
+                                   or not isinstance(value, numbers.Integral)):
+        raise invalid(op, f"{label} must be an integer, got {value!r} "
+                          f"({type(value).__name__})")
+    value = int(value)
+    if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise invalid(op, f"{label} must fit in int64, got {value}")
+    return value
+
+
 def _as_int_vector(op, name, values):
     """The list / tuple / 1-D integer array ``values`` as int64, or NsaError."""
     if isinstance(values, np.ndarray):
@@ -46,14 +59,8 @@ def _as_int_vector(op, name, values):
     if not isinstance(values, (list, tuple)):
         raise invalid(op, f"{name} must be None, a list, a tuple or a 1-D integer array, "
                           f"got {type(values).__name__}")
-    for i, v in enumerate(values):
-        if type(v) is not int and (isinstance(v, (bool, np.bool_))   # int: no ABC check
-                                   or not isinstance(v, numbers.Integral)):
-            raise invalid(op, f"{name}[{i}] must be an integer, got {v!r} "
-                              f"({type(v).__name__})")
-        if not -_INT64_MAX - 1 <= int(v) <= _INT64_MAX:
-            raise invalid(op, f"{name}[{i}] must fit in int64, got {int(v)}")
-    return np.array([int(v) for v in values], dtype=np.int64)
+    return np.array([as_int64(op, f"{name}[{i}]", v) for i, v in enumerate(values)],
+                    dtype=np.int64)
 
 
 def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
