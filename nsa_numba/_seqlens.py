@@ -3,7 +3,7 @@
 Tokens of all sequences are packed back to back along T. Sequence ``b`` occupies
 tokens ``offsets[b]:offsets[b + 1]`` (the CSR idiom). A sequence of length ``L``
 yields ``max(0, (L - l) // d + 1)`` windows; window ``i`` of sequence ``b`` starts at
-token ``offsets[b] + i * d`` and is output row ``window_offsets[b] + i``.
+token ``offsets[b] + i * d`` and is output row ``rows[b] + i`` (``packed_tables``).
 """
 
 import numbers
@@ -108,15 +108,12 @@ def window_counts(lengths, block, stride):
     return np.where(lengths >= block, (lengths - block) // stride + 1, 0).astype(np.int64)
 
 
-def window_offsets(counts):
-    """Output row of each sequence's first window, plus the total ``T'`` at the end."""
-    return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-
-
 def packed_tables(op, actual_seq_len, seq_len_type, total_tokens, block, stride, names):
-    """(offsets, lengths, window counts, window offsets) of the packed sequences: the
-    results of ``sequence_offsets``, ``np.diff``, ``window_counts`` and
-    ``window_offsets``, worked out by one compiled pass.
+    """(offsets, lengths, window counts, first output rows) of the packed sequences,
+    in one compiled pass: ``offsets`` as ``sequence_offsets`` gives them, lengths
+    their differences, counts as ``window_counts`` gives them, and ``rows`` the
+    running sum of the counts from 0 (``rows[b]``: sequence b's first window;
+    ``rows[-1]``: T').
 
     A call often follows other work that has pushed this module's code and data out
     of the CPU caches; the NumPy steps, a dozen small array operations, then took

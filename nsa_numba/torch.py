@@ -65,7 +65,10 @@ def _empty_numpy(op, like, shape):
 
 
 def _window_count(op, T, block, stride, actual_seq_len):
-    """T' for the output shape (the fake implementation needs it without data)."""
+    """T' for the output shape (the fake implementation needs it without data).
+
+    NumPy rather than ``_seqlens.packed_tables``: under dynamic shapes T arrives as a
+    ``torch.SymInt``, which compiled code cannot take."""
     offsets = _seqlens.sequence_offsets(op, actual_seq_len, _seqlens.CUMULATIVE, T,
                                         PY_NAMES)
     return int(_seqlens.window_counts(np.diff(offsets), block, stride).sum())

@@ -89,8 +89,9 @@ def _numpy_tables(values, seq_type, T, block, stride):
         offsets = _seqlens.sequence_offsets("op", values, seq_type, T, _NAMES)
     except nsa_numba.NsaError as e:
         return e
-    counts = _seqlens.window_counts(np.diff(offsets), block, stride)
-    return offsets, np.diff(offsets), counts, _seqlens.window_offsets(counts)
+    lengths = np.diff(offsets)
+    counts = _seqlens.window_counts(lengths, block, stride)
+    return offsets, lengths, counts, np.concatenate(([0], np.cumsum(counts)))
 
 
 _NAMES = {"actual_seq_len": "actual_seq_len", "actual_seq_len_type": "actual_seq_len_type"}
