@@ -22,12 +22,11 @@ order fixed by the problem, not by how tiles land on threads:
   (``reduce_weight_grad``) over tiles in order.
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
-converted once, in registers. (``compress_forward_simd`` instead keeps its window
-sums in explicit vectors, ``_simd``, and loops over tokens.) The kernels index the
-arrays in place (``x[b, t, n, e]``), never through row views (``x[b, t, n]``):
-Numba counts references to every view it makes with an atomic add on the parent
-array's shared counter, and with all threads bumping the same counter once per
-token and head that cost about half of the forward's time on short rows.
+converted once, in registers. They index the arrays in place (``x[b, t, n, e]``),
+never through row views (``x[b, t, n]``): Numba counts references to every view
+it makes with an atomic add on the parent array's shared counter, and with all
+threads bumping the same counter once per token and head that cost about half of
+the forward's time on short rows.
 """
 
 import numpy as np
@@ -36,8 +35,6 @@ from numba import get_thread_id, prange
 from ._halfprec import narrow, widen
 from ._jit import jit, jit_parallel
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
-from ._simd import (WIDTH, check_row, check_span, vload, vload_row, vmul_add, vstore,
-                    vstore_row, vzeros)
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
@@ -45,7 +42,6 @@ CACHE_DEPENDS = {
     "_halfprec.py": "0d76336e7c518e96",
     "_jit.py": "91fc5f6e88a5a702",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "b917822e1d728cb5",
 }
 
 #: tokens per pass over D in compress_forward's common paths
@@ -267,90 +263,6 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
                         _add_token(ring, xf, x, b, s0, r, n, wt, lo, hi, stride)
             if nxt == lo * stride + block:  # window lo closed at nxt - 1
                 _emit_window(ring, sa, out, b, row0 + lo)
-            rel = nxt
-
-
-@jit(inline="always")
-def _token_vector(x, b, t, n, e0, ahead, first, span):
-    """``x[b, t, n, e0:e0 + WIDTH]`` as a vector. First asks for the same part of the
-    row ``ahead`` tokens on (``span`` bytes from byte ``first`` of that row: every
-    line they touch, the last one too when they do not start on a line)."""
-    if t + ahead < x.shape[1]:
-        for offset in range(first, first + span, LINE_BYTES):
-            prefetch_row(x, b, t + ahead, offset)
-        prefetch_row(x, b, t + ahead, first + span - 1)
-    check_row(x, b, t, n, e0)
-    return vload_row(x, b, t, n, e0)
-
-
-@jit(inline="always")
-def _park(ring, p, out, b, row, n, e0, acc, closes):
-    """A window's sums ``acc`` at the end of a segment: rounded into
-    ``out[b, row, n, e0:]`` when the window closed there, else back to ``ring[p:]``."""
-    if closes:
-        check_row(out, b, row, n, e0)
-        vstore_row(out, b, row, n, e0, acc)
-    else:
-        vstore(ring, p, acc)
-
-
-@jit_parallel
-def compress_forward_simd(x, wt, out, tiles, stride, D, scratch):
-    """``compress_forward_rows`` with the window sums in registers: faster on short rows.
-
-    Same arguments, same segments, same sums in the same order, so the same bits.
-    Each segment of tokens is read once per head and per WIDTH elements of D: the
-    sums of the (at most two) open windows stay in ``_simd`` vectors over the
-    segment's tokens and visit the ring once per segment, not once per token.
-    ``_dispatch`` picks it only where it applies (``_dispatch.simd_fits``): l <= 2d,
-    D a multiple of WIDTH, unit-stride rows in a dtype of ``_simd.STORAGE``.
-
-    Each token asks for the part of the row AHEAD_BYTES further on that the same
-    head and D-part will read (software prefetch): a pass reads WIDTH elements of
-    every token row at the row stride, which the hardware prefetchers follow badly.
-    """
-    N = wt.shape[0]
-    block = wt.shape[1]
-    ring_size = ring_slots(block, stride)
-    row_bytes = ((N - 1) * x.shape[3] + D) * x.itemsize if N > 0 else 0
-    ahead = max(1, AHEAD_BYTES // max(row_bytes, 1))
-    span = WIDTH * x.itemsize
-    for unit in prange(tiles.shape[0]):
-        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
-                                                          stride)
-        ring = scratch[get_thread_id()]
-        while rel < rel_end:
-            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
-            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
-            if lo > hi:           # between windows (d > l): never read
-                rel = nxt
-                continue
-            opens = rel == hi * stride          # window hi starts here: from zero
-            closes = nxt == lo * stride + block  # window lo ends at nxt - 1
-            ja = rel - lo * stride
-            jb = rel - hi * stride
-            for n in range(N):
-                for e0 in range(0, D, WIDTH):
-                    pa = ((lo % ring_size) * N + n) * D + e0
-                    pb = ((hi % ring_size) * N + n) * D + e0
-                    check_span(ring, pa)
-                    check_span(ring, pb)
-                    first = (n * x.shape[3] + e0) * x.itemsize
-                    if lo == hi:
-                        acc = vzeros() if opens else vload(ring, pa)
-                        for r in range(rel, nxt):
-                            v = _token_vector(x, b, s0 + r, n, e0, ahead, first, span)
-                            acc = vmul_add(acc, wt[n, ja + r - rel], v)
-                        _park(ring, pa, out, b, row0 + lo, n, e0, acc, closes)
-                    else:                 # two windows: lo opened earlier, hi may open
-                        acc = vload(ring, pa)
-                        acc_hi = vzeros() if opens else vload(ring, pb)
-                        for r in range(rel, nxt):
-                            v = _token_vector(x, b, s0 + r, n, e0, ahead, first, span)
-                            acc = vmul_add(acc, wt[n, ja + r - rel], v)
-                            acc_hi = vmul_add(acc_hi, wt[n, jb + r - rel], v)
-                        _park(ring, pa, out, b, row0 + lo, n, e0, acc, closes)
-                        vstore(ring, pb, acc_hi)
             rel = nxt
 
 
