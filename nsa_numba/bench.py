@@ -11,6 +11,10 @@ PyTorch is installed, the time of the idiomatic PyTorch implementation (``unfold
 ``einsum``, autograd for the backward) on the same thread count: its best of a third
 as many calls, which can only favour it.
 
+A copy counts its read and its write, which the memory system serves side by side;
+``--read`` also times a read-only pass in the same rounds, the ceiling for the
+forward, which reads 16 bytes for every one it writes (l = 2d).
+
 Bytes counted: forward = input read + output written; backward = input read + grad
 read + input_grad written (the weights are negligible).
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numba
@@ -108,6 +113,20 @@ def copy_task(nbytes):
     return (lambda: _parallel_copy(src, dst)), 2 * nbytes
 
 
+def read_task(nbytes, threads):
+    """(function, bytes read) of a read-only pass over a clean buffer of ``nbytes`` (at
+    least 64 MiB): an XOR reduction of its 8-byte words in ``threads`` NumPy calls on
+    as many Python threads (NumPy lets go of the GIL), one equal chunk each. A
+    kernel that reads more than it writes cannot beat this rate."""
+    nbytes = max(int(nbytes), 64 << 20) // 8 * 8
+    words = np.ones(nbytes // 8, np.uint64)
+    chunks = np.array_split(words, threads)
+    if threads == 1:
+        return (lambda: np.bitwise_xor.reduce(words)), nbytes
+    pool = ThreadPoolExecutor(threads)
+    return (lambda: list(pool.map(np.bitwise_xor.reduce, chunks))), nbytes
+
+
 def sequence_ends(T, count):
     """Cumulative ends of ``count`` near-equal sequences covering T tokens."""
     return np.linspace(0, T, count + 1).round().astype(np.int64)[1:].tolist()
@@ -183,25 +202,28 @@ def torch_baseline(case, x, w, g, seq, repeat):
     return t_fwd, t_bwd
 
 
-def run_case(case, repeat, copy, use_torch, flush):
-    """Time one case: forward, backward and ``copy`` (a ``copy_task``) in turn, each
-    after ``flush`` (a ``CacheFlush``)."""
+def run_case(case, repeat, copy, use_torch, flush, read=None):
+    """Time one case: forward, backward, ``copy`` (a ``copy_task``) and ``read`` (a
+    ``read_task``, if given) in turn, each after ``flush`` (a ``CacheFlush``)."""
     x, w, g, out, seq = make_data(case)
     dx = np.empty(x.shape, x.dtype)
     dw = np.empty_like(w)
     l, d = case.block, case.stride
     copy_fn, copy_bytes = copy
-    t_copy, t_fwd, t_bwd = (np.array(t) for t in round_times(
-        [copy_fn,
-         lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
-         lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
-                                       input_grad=dx, weight_grad=dw)], repeat,
-        settle=flush))
+    tasks = [copy_fn,
+             lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+             lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                           input_grad=dx, weight_grad=dw)]
+    times = [np.array(t) for t in round_times(tasks + ([read[0]] if read else []), repeat,
+                                              settle=flush)]
+    t_copy, t_fwd, t_bwd = times[:3]
     copy_gbs = copy_bytes / np.median(t_copy) / 1e9
     item = x.dtype.itemsize
     fwd_bytes = (x.size + out.size) * item
     bwd_bytes = (2 * x.size + g.size) * item
     result = dict(case=asdict(case), label=case.label, copy_gbs=copy_gbs)
+    if read:
+        result["read_gbs"] = read[1] / np.median(times[3]) / 1e9
     for op, t, nbytes in (("forward", t_fwd, fwd_bytes), ("backward", t_bwd, bwd_bytes)):
         # each round's kernel rate against that round's copy rate, then the median
         pct = np.median(100 * (nbytes / t) / (copy_bytes / t_copy))
@@ -264,15 +286,20 @@ def main(args):
              for shape in shapes for dt in args.dtype for view in views]
     biggest = max(c.T * c.N * c.D * numpy_dtype(c.dtype).itemsize for c in cases)
     copy = copy_task(2 * biggest)
+    read = read_task(2 * biggest, threads) if args.read else None
     flush = CacheFlush()
     results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
-        results.append(run_case(case, args.repeat, copy, use_torch, flush))
+        results.append(run_case(case, args.repeat, copy, use_torch, flush, read))
     copies = [r["copy_gbs"] for r in results]
     print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {min(copies):.1f}-"
           f"{max(copies):.1f} GB/s (parallel copy of {copy[1] // 2 >> 20} MiB, read + write, "
           f"timed in turn with each case's calls); medians of {args.repeat} rounds")
+    if read:
+        reads = [r["read_gbs"] for r in results]
+        print(f"read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s (read only: {read[1] >> 20} "
+              f"MiB by {threads} NumPy reduction(s), timed in the same rounds)")
     print(format_table(results))
     if not use_torch:
         print("(PyTorch columns: not installed or --no-torch)")
@@ -296,5 +323,9 @@ def add_arguments(parser):
                         help="also run each case on non-contiguous input views: 'sliced' "
                              "(heads N..2N of a 2N-head buffer) and 'strided' (every other "
                              "element of a buffer twice as wide)")
+    parser.add_argument("--read", action="store_true",
+                        help="also time a read-only pass over a buffer larger than the "
+                             "caches in the same rounds, and print its GB/s: the ceiling "
+                             "of a kernel that mostly reads")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")

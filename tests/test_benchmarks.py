@@ -56,6 +56,19 @@ def test_bench_command_small_case(tmp_path):
             assert r[op]["ms"] > 0 and r[op]["gbs"] > 0 and r[op]["pct_copy"] > 0
 
 
+def test_bench_read_yardstick(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
+         "--dtype", "fp16", "--repeat", "2", "--no-torch", "--read", "--threads", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert "read bandwidth" in proc.stdout
+    [result] = json.loads(out.read_text())["results"]
+    assert result["read_gbs"] > 0
+
+
 def test_bench_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--shape", "1,2,3"],
                           capture_output=True, text=True, timeout=120)
