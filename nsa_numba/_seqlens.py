@@ -63,6 +63,15 @@ def _as_int_vector(op, name, values):
                     dtype=np.int64)
 
 
+def sequence_values(op, actual_seq_len, seq_len_type, total_tokens, names):
+    """(int64 vector, CUMULATIVE or LENGTHS): the values ``packed_tables`` works from,
+    type-checked but not yet range-checked. None stands for one sequence of all
+    ``total_tokens``."""
+    if actual_seq_len is None:
+        return np.array([total_tokens], np.int64), CUMULATIVE
+    return _as_int_vector(op, names["actual_seq_len"], actual_seq_len), seq_len_type
+
+
 def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
     """Token offsets ``[0, end_0, end_1, ..., T]`` of the packed sequences.
 
@@ -120,11 +129,7 @@ def packed_tables(op, actual_seq_len, seq_len_type, total_tokens, block, stride,
     about 0.25 ms, the compiled pass under 0.1 ms. Values the pass rejects go to
     ``sequence_offsets``, whose error names the rule they break.
     """
-    if actual_seq_len is None:
-        values, kind = np.array([total_tokens], np.int64), CUMULATIVE
-    else:
-        values = _as_int_vector(op, names["actual_seq_len"], actual_seq_len)
-        kind = seq_len_type
+    values, kind = sequence_values(op, actual_seq_len, seq_len_type, total_tokens, names)
     ok, offsets, lengths, counts, rows = _packed_tables(values, kind, total_tokens, block,
                                                         stride)
     if not ok:

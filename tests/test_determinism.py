@@ -102,9 +102,32 @@ FORK_SCRIPT = textwrap.dedent("""
 """)
 
 
+# the planner keeps the tables of recent calls under a lock (_plan._tables)
+FORK_WHILE_KEEPING = textwrap.dedent("""
+    import os, signal
+    import numpy as np
+    import nsa_numba
+    from nsa_numba import _plan
+    x = np.ones((64, 1, 16), np.float32)
+    w = np.ones((32, 1), np.float32)
+    nsa_numba.nsa_compress(x, w, 32, 16)
+    _plan._tables_lock.acquire()      # as if another thread were keeping tables
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)              # a child stuck on the lock ends, and the test fails
+        out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[20, 64])
+        os._exit(0 if out.shape == (1, 1, 16) else 3)
+    _plan._tables_lock.release()
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))
+""")
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
-def test_forked_child_can_run_the_kernels():
-    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True,
+@pytest.mark.parametrize("script", [FORK_SCRIPT, FORK_WHILE_KEEPING],
+                         ids=["after-a-call", "while-the-tables-lock-is-held"])
+def test_forked_child_can_run_the_kernels(script):
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr

@@ -138,3 +138,92 @@ def test_compiled_sequence_tables_match_numpy(block, stride):
         for a, b in zip(got, expected):
             assert a.dtype == np.int64 and np.array_equal(a, b), (values, seq_type, T)
     assert 100 < rejected < 350              # both kinds of case were exercised
+
+
+# -- tables kept across calls (_plan._tables) ----------------------------------
+
+def _plan(x, w, seq, seq_type=0, strict=True, op="forward"):
+    from nsa_numba._plan import Rules, plan_forward, plan_grad
+    rules = Rules("test", strict=strict)
+    if op == "forward":
+        return plan_forward(rules, x, w, L, S, seq, seq_type, "TND", None)
+    g = np.zeros((ref.window_starts(x.shape[0], L, S, seq, seq_type).size,) + x.shape[1:],
+                 x.dtype)
+    return plan_grad(rules, g, x, w, L, S, seq, seq_type, "TND", None, None)
+
+
+def _fresh_tables():
+    from nsa_numba import _plan
+    _plan.forget_tables()
+
+
+@pytest.mark.parametrize("op", ["forward", "grad"])
+def test_kept_tables_equal_fresh_ones(op):
+    x = np.zeros((300, 2, 16), np.float32)
+    w = np.zeros((L, 2), np.float32)
+    for seq, seq_type in (([40, 41, 300], 0), ([40, 1, 259], 1), (np.array([300]), 0), (None, 0)):
+        _fresh_tables()
+        fresh = _plan(x, w, seq, seq_type, op=op)
+        again = _plan(x, w, list(seq) if seq is not None else None, seq_type, op=op)
+        assert again.tiles is fresh.tiles            # kept, not rebuilt
+        _fresh_tables()
+        rebuilt = _plan(x, w, seq, seq_type, op=op)
+        assert rebuilt.tiles is not fresh.tiles
+        assert np.array_equal(rebuilt.tiles, fresh.tiles)
+        assert rebuilt.out_rows == fresh.out_rows
+
+
+def test_kept_tables_depend_on_everything_they_are_built_from():
+    _fresh_tables()
+    x = np.zeros((300, 2, 16), np.float32)
+    w = np.zeros((L, 2), np.float32)
+    base = _plan(x, w, [100, 200, 300])
+    # the same numbers read as lengths; another op; another N; another T
+    others = [_plan(x, w, [100, 100, 100], seq_type=1), _plan(x, w, [100, 200, 300], op="grad"),
+              _plan(np.zeros((300, 3, 16), np.float32), np.zeros((L, 3), np.float32),
+                    [100, 200, 300]),
+              _plan(np.zeros((301, 2, 16), np.float32), w, [100, 200, 301])]
+    for other in others:
+        assert other.tiles is not base.tiles
+    assert _plan(x, w, (100, 200, 300)).tiles is base.tiles
+
+
+def test_kept_tables_keep_the_checks():
+    _fresh_tables()
+    x = np.zeros((60, 2, 16), np.float32)
+    w = np.zeros((L, 2), np.float32)
+    # no sequence holds a window: allowed when not strict, and then kept...
+    assert _plan(x, w, [20, 40, 60], strict=False).out_rows == 0
+    # ...but a strict call with the same geometry still raises
+    with pytest.raises(nsa_numba.NsaError, match="no sequence is as long"):
+        _plan(x, w, [20, 40, 60])
+    from nsa_numba import _plan as plan_module
+    kept = len(plan_module._tables_kept)
+    for bad in ([20, 10, 60], [20, 40, 61], [-1, 60], [20.0, 60]):
+        with pytest.raises(nsa_numba.NsaError):
+            _plan(x, w, bad, strict=False)
+    assert len(plan_module._tables_kept) == kept      # rejected values are never kept
+
+
+def test_kept_tables_are_bounded():
+    from nsa_numba import _plan as plan_module
+    _fresh_tables()
+    x = np.zeros((400, 1, 16), np.float32)
+    w = np.zeros((L, 1), np.float32)
+    for end in range(plan_module.TABLES_KEPT + 10):
+        _plan(x, w, [end, 400])
+    assert len(plan_module._tables_kept) == plan_module.TABLES_KEPT
+
+
+def test_big_tables_are_not_kept():
+    from nsa_numba import _plan as plan_module
+    _fresh_tables()
+    x = np.zeros((40000, 1, 16), np.float32)
+    w = np.zeros((L, 1), np.float32)
+    few = _plan(x, w, [20000, 40000])
+    ends = list(range(1, 40001))                     # 40000 one-token sequences: 1.6 MB
+    many = _plan(x, w, ends, strict=False)
+    assert _plan(x, w, [20000, 40000]).tiles is few.tiles
+    assert _plan(x, w, ends, strict=False).tiles is not many.tiles
+    assert len(plan_module._tables_kept) == 1
+    assert plan_module._tables_bytes <= plan_module.TABLES_KEPT_BYTES // 8
