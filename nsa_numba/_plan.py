@@ -330,15 +330,15 @@ _tables_lock = threading.Lock()
 def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_type):
     """(Sequences, tile table) of a problem.
 
-    A model calls the operators once per layer with the same sequence lengths, and
-    planning a call that finds the caches cold (after a layer's other work) took
-    0.25-0.28 ms, 0.21-0.23 ms when the tables are kept (T = 2048, N = 4, four
+    A model calls the operators once per layer with the same sequence lengths.
+    Planning a call that finds the caches cold (after a layer's other work) took
+    0.25-0.28 ms, and 0.21-0.23 ms when the tables are kept (T = 2048, N = 4, four
     sequences). So the last TABLES_KEPT geometries keep theirs, keyed on everything
-    the tables depend on:
-    the op (the tile sizes differ), the layout kind, the sequence values as checked
-    integers and how to read them, B, S, l, d, N and D. Values that fail a check
-    raise before anything is kept, so a kept entry only ever answers values that
-    passed. The tables are shared by the plans that use them: nothing writes them.
+    the tables depend on: the op (the tile sizes differ), the layout kind, the
+    sequence values as checked integers and how to read them, B, S, l, d, N and D.
+    Values that fail a check raise before anything is kept, so a kept entry only
+    ever answers values that passed. The tables are shared by the plans that use
+    them: nothing writes them.
     """
     if layout.packed:
         values, kind = _seqlens.sequence_values(rules.op, actual_seq_len, seq_type, S,

@@ -13,7 +13,7 @@ as many calls, which can only favour it.
 
 A copy counts its read and its write, which the memory system serves side by side;
 ``--read`` also times a read-only pass in the same rounds, the ceiling for the
-forward, which reads 16 bytes for every one it writes (l = 2d).
+forward, which reads d bytes for every byte it writes.
 
 Bytes counted: forward = input read + output written; backward = input read + grad
 read + input_grad written (the weights are negligible).
