@@ -346,13 +346,14 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
         key = (op, True, values.tobytes(), kind, S, block, stride, N, D)
     else:
         _check_no_sequences(rules, layout, actual_seq_len)
+        values = kind = None
         key = (op, False, B, S, block, stride, N, D)
     with _tables_lock:
         kept = _tables_kept.get(key)
         if kept is not None:
             _tables_kept.move_to_end(key)
     if kept is None:
-        seqs = _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type)
+        seqs = _sequences(rules, layout, B, S, block, stride, values, kind)
         tiles = tile_schedule(op, seqs, block, stride, N, D)
         kept = seqs, tiles, _table_bytes(key, seqs, tiles)
         if kept[2] <= TABLES_KEPT_BYTES // 8:
@@ -410,15 +411,15 @@ def _check_no_sequences(rules, layout, actual_seq_len):
                                 f"sequence of length S), got {_seqlens._show(actual_seq_len)}")
 
 
-def _sequences(rules, layout, B, S, block, stride, actual_seq_len, seq_type):
-    """The Sequences of a problem (``_tables`` keeps them)."""
+def _sequences(rules, layout, B, S, block, stride, values, kind):
+    """The Sequences of a problem (``_tables`` keeps them); a packed layout's from
+    the type-checked ``values`` and ``kind`` of ``_seqlens.sequence_values``."""
     if layout.packed:
         offsets, lengths, counts, rows = _seqlens.packed_tables(
-            rules.op, actual_seq_len, seq_type, S, block, stride, rules.names)
+            rules.op, values, kind, S, block, stride, rules.names)
         seqs = Sequences(np.zeros(lengths.size, np.int64), offsets[:-1], lengths, rows[:-1],
                          counts, int(rows[-1]))
     else:
-        _check_no_sequences(rules, layout, actual_seq_len)
         lengths = np.full(B, S, np.int64)
         counts = _seqlens.window_counts(lengths, block, stride)
         seqs = Sequences(np.arange(B, dtype=np.int64), np.zeros(B, np.int64), lengths,

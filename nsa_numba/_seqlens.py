@@ -117,9 +117,11 @@ def window_counts(lengths, block, stride):
     return np.where(lengths >= block, (lengths - block) // stride + 1, 0).astype(np.int64)
 
 
-def packed_tables(op, actual_seq_len, seq_len_type, total_tokens, block, stride, names):
-    """(offsets, lengths, window counts, first output rows) of the packed sequences,
-    in one compiled pass: ``offsets`` as ``sequence_offsets`` gives them, lengths
+def packed_tables(op, values, kind, total_tokens, block, stride, names):
+    """(offsets, lengths, window counts, first output rows) of the packed sequences
+    whose values and kind ``sequence_values`` returned (it type-checks them once;
+    planning keys its kept tables on them too), in one compiled pass: ``offsets``
+    as ``sequence_offsets`` gives them, lengths
     their differences, counts as ``window_counts`` gives them, and ``rows`` the
     running sum of the counts from 0 (``rows[b]``: sequence b's first window;
     ``rows[-1]``: T').
@@ -129,13 +131,12 @@ def packed_tables(op, actual_seq_len, seq_len_type, total_tokens, block, stride,
     about 0.25 ms, the compiled pass under 0.1 ms. Values the pass rejects go to
     ``sequence_offsets``, whose error names the rule they break.
     """
-    values, kind = sequence_values(op, actual_seq_len, seq_len_type, total_tokens, names)
     ok, offsets, lengths, counts, rows = _packed_tables(values, kind, total_tokens, block,
                                                         stride)
     if not ok:
-        sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names)
+        sequence_offsets(op, values, kind, total_tokens, names)
         raise AssertionError(f"sequence values rejected by the compiled check only: "
-                             f"{_show(actual_seq_len)}")
+                             f"{_show(values)}")
     return offsets, lengths, counts, rows
 
 

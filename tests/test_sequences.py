@@ -125,16 +125,21 @@ def _sequence_cases():
 @pytest.mark.parametrize("block,stride", [(32, 16), (16, 16), (5, 3)])
 def test_compiled_sequence_tables_match_numpy(block, stride):
     from nsa_numba import _seqlens
+
+    def tables(values, seq_type, T):
+        checked = _seqlens.sequence_values("op", values, seq_type, T, _NAMES)
+        return _seqlens.packed_tables("op", *checked, T, block, stride, _NAMES)
+
     rejected = 0
     for values, seq_type, T in _sequence_cases():
         expected = _numpy_tables(values, seq_type, T, block, stride)
         if isinstance(expected, Exception):
             rejected += 1
             with pytest.raises(nsa_numba.NsaError) as got:
-                _seqlens.packed_tables("op", values, seq_type, T, block, stride, _NAMES)
+                tables(values, seq_type, T)
             assert str(got.value) == str(expected) and got.value.status == expected.status
             continue
-        got = _seqlens.packed_tables("op", values, seq_type, T, block, stride, _NAMES)
+        got = tables(values, seq_type, T)
         for a, b in zip(got, expected):
             assert a.dtype == np.int64 and np.array_equal(a, b), (values, seq_type, T)
     assert 100 < rejected < 350              # both kinds of case were exercised
