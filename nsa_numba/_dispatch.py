@@ -8,6 +8,7 @@ kernels keep all their scratch in it (per-tile partials, per-thread rows).
 import numpy as np
 
 from . import _kernels, _threading
+from ._plan import WORKSPACE_ALIGN
 
 
 def _weight_table(plan):
@@ -18,10 +19,13 @@ def _weight_table(plan):
 def carve(plan, workspace):
     """(partials ``[n_tiles, N, l]``, scratch ``[slots, elements]``) in a uint8 workspace.
 
-    The layout is the one ``_plan`` sizes: partials first, then one scratch row per
-    thread, all in the accumulator dtype.
+    The layout is the one ``_plan`` sizes: from the workspace's first
+    ``WORKSPACE_ALIGN``-byte boundary, partials, then one scratch row per thread, all
+    in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
+    starts at a boundary too).
     """
-    elements = workspace[:plan.workspace_bytes].view(plan.accumulator)
+    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
+    elements = workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator)
     n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0   # none in the forward
     partials = elements[:n_tiles * plan.N * plan.block].reshape(n_tiles, plan.N, plan.block)
     scratch = elements[plan.partial_elements:].reshape(plan.scratch_slots,

@@ -290,11 +290,48 @@ def test_workspace_size_formula():
     g = np.zeros((15, 64, 128), np.float16)
     status, size, executor = aclnnNsaCompressGradGetWorkspaceSize(
         g, x, w, [0, 128, 272], 32, 16, 0, "TND", np.empty_like(x), np.empty_like(w))
+    # plus 63 bytes of room to start the scratch at a 64-byte boundary
     assert status == ACLNN_SUCCESS
-    assert size == 4 * (2 * 64 * 32 + scratch_slots() * ((2 + 1 + 32) * 64 * 128 + 2 * 128))
+    assert size == 4 * (2 * 64 * 32 + scratch_slots() * ((2 + 1 + 32) * 64 * 128 + 2 * 128)) + 63
     status, size, _ = aclnnNsaCompressGetWorkspaceSize(x, w, [0, 128, 272], "TND", 32, 16, 0,
                                                        np.empty((15, 64, 128), np.float16))
-    assert size == 4 * scratch_slots() * (2 * 64 * 128 + 128)
+    assert size == 4 * scratch_slots() * (2 * 64 * 128 + 128) + 63
+
+
+@pytest.mark.parametrize("op", ["forward", "grad"])
+def test_workspace_at_any_address(op):
+    # The run carves its scratch from the workspace's first 64-byte boundary: a
+    # buffer of exactly workspaceSize bytes suffices wherever it starts, the scratch
+    # is aligned, and the results do not depend on where the buffer is.
+    from nsa_numba import _dispatch
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((200, 4, 48)).astype(np.float16)
+    w = rng.standard_normal((32, 4)).astype(np.float16)
+    seq = [0, 90, 200]
+    g = rng.standard_normal((9, 4, 48)).astype(np.float16)    # 0 + 4 + 5 windows
+    results = set()
+    for offset in (0, 1, 4, 16, 33, 63):
+        outs = ((np.full((g.shape[0], 4, 48), np.nan, np.float16),) if op == "forward"
+                else (np.full_like(x, np.nan), np.full_like(w, np.nan)))
+        status, size, executor = (
+            aclnnNsaCompressGetWorkspaceSize(x, w, seq, "TND", 32, 16, 0, *outs)
+            if op == "forward" else
+            aclnnNsaCompressGradGetWorkspaceSize(g, x, w, seq, 32, 16, 0, "TND", *outs))
+        assert status == ACLNN_SUCCESS and size > 63
+        buffer = np.empty(size + 64, np.uint8)
+        start = (-buffer.ctypes.data % 64 + offset) % 64
+        workspace = buffer[start:start + size]
+        partials, scratch = _dispatch.carve(executor.plan, workspace)
+        assert scratch.ctypes.data % 64 == 0 and partials.ctypes.data % 64 == 0
+        assert scratch.ctypes.data + scratch.nbytes <= workspace.ctypes.data + size
+        run = aclnnNsaCompress if op == "forward" else aclnnNsaCompressGrad
+        assert run(workspace, size, executor, None) == ACLNN_SUCCESS
+        results.add(b"".join(o.tobytes() for o in outs))
+    assert len(results) == 1
+    if op == "forward":
+        assert_forward_accurate(outs[0], x, w, 32, 16, seq)
+    else:
+        assert_grad_accurate(*outs, g, x, w, 32, 16, seq)
 
 
 def test_run_phase_allocates_nothing_large():
