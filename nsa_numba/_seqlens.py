@@ -121,10 +121,9 @@ def packed_tables(op, values, kind, total_tokens, block, stride, names):
     """(offsets, lengths, window counts, first output rows) of the packed sequences
     whose values and kind ``sequence_values`` returned (it type-checks them once;
     planning keys its kept tables on them too), in one compiled pass: ``offsets``
-    as ``sequence_offsets`` gives them, lengths
-    their differences, counts as ``window_counts`` gives them, and ``rows`` the
-    running sum of the counts from 0 (``rows[b]``: sequence b's first window;
-    ``rows[-1]``: T').
+    as ``sequence_offsets`` gives them, lengths their differences, counts as
+    ``window_counts`` gives them, and ``rows`` the running sum of the counts from 0
+    (``rows[b]``: sequence b's first window; ``rows[-1]``: T').
 
     A call often follows other work that has pushed this module's code and data out
     of the CPU caches; the NumPy steps, a dozen small array operations, then took
