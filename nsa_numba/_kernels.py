@@ -22,11 +22,12 @@ order fixed by the problem, not by how tiles land on threads:
   (``reduce_weight_grad``) over tiles in order.
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
-converted once, in registers. They index the arrays in place (``x[b, t, n, e]``),
-never through row views (``x[b, t, n]``): Numba counts references to every view
-it makes with an atomic add on the parent array's shared counter, and with all
-threads bumping the same counter once per token and head that cost about half of
-the forward's time on short rows.
+converted once, in registers. (``compress_forward_simd`` instead keeps its window
+sums in explicit vectors, ``_simd``, and loops over tokens.) The kernels index the
+arrays in place (``x[b, t, n, e]``), never through row views (``x[b, t, n]``):
+Numba counts references to every view it makes with an atomic add on the parent
+array's shared counter, and with all threads bumping the same counter once per
+token and head that cost about half of the forward's time on short rows.
 """
 
 import numpy as np
@@ -35,6 +36,8 @@ from numba import get_thread_id, prange
 from ._halfprec import narrow, widen
 from ._jit import jit, jit_parallel
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
+from ._simd import (WIDTH, check_row, check_span, vload, vload_row, vmul_add, vstore,
+                    vstore_row, vzeros)
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
@@ -42,6 +45,7 @@ CACHE_DEPENDS = {
     "_halfprec.py": "0d76336e7c518e96",
     "_jit.py": "91fc5f6e88a5a702",
     "_prefetch.py": "4919cebb64fefdaf",
+    "_simd.py": "d7cef7f3cd25cdc9",
 }
 
 #: tokens per pass over D in compress_forward's common paths
@@ -263,6 +267,124 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
                         _add_token(ring, xf, x, b, s0, r, n, wt, lo, hi, stride)
             if nxt == lo * stride + block:  # window lo closed at nxt - 1
                 _emit_window(ring, sa, out, b, row0 + lo)
+            rel = nxt
+
+
+@jit(inline="always")
+def _token_step(x, b, t, n, e0, fetch, t0, at, stop, row_stride, row_bytes):
+    """(``x[b, t, n, e0:e0 + WIDTH]`` widened to a vector, at, stop): one token step of
+    a ``compress_forward_simd`` pass, first prefetching the next line after row t0
+    when ``fetch`` (see ``_prefetch_line``)."""
+    if fetch:
+        at, stop = _prefetch_line(x, b, t0, at, stop, row_stride, row_bytes)
+    check_row(x, b, t, n, e0)
+    return vload_row(x, b, t, n, e0), at, stop
+
+
+@jit(inline="always")
+def _prefetch_line(x, b, t0, at, stop, row_stride, row_bytes):
+    """Prefetch the line at byte ``at`` after ``x[b, t0, 0, 0]`` and return the next
+    (at, stop): the next line of the row that ends at byte ``stop``, else the start
+    of the next row (rows ``row_stride`` bytes apart, ``row_bytes`` of them read)."""
+    prefetch_row(x, b, t0, at)
+    at += LINE_BYTES
+    if at >= stop:
+        at = stop - row_bytes + row_stride
+        stop = at + row_bytes
+    return at, stop
+
+
+@jit(inline="always")
+def _park(ring, p, out, b, row, n, e0, acc, closes):
+    """A window's sums ``acc`` at the end of a segment: rounded into
+    ``out[b, row, n, e0:]`` when the window closed there, else back to ``ring[p:]``."""
+    if closes:
+        check_row(out, b, row, n, e0)
+        vstore_row(out, b, row, n, e0, acc)
+    else:
+        vstore(ring, p, acc)
+
+
+@jit_parallel
+def compress_forward_simd(x, wt, out, tiles, stride, D, scratch):
+    """``compress_forward_rows`` with the window sums in registers: faster on short rows.
+
+    Same arguments, same segments, same sums in the same order, so the same bits.
+    Each segment of tokens is read in passes, one per head and per WIDTH elements of
+    D: the sums of the (at most two) open windows stay in ``_simd`` vectors over the
+    segment's tokens and visit the ring once per segment, not once per token.
+    ``_dispatch`` picks it only where it applies (``_dispatch.simd_fits``): l <= 2d,
+    D a multiple of WIDTH, C-contiguous rows in a dtype of ``_simd.STORAGE``.
+
+    A pass reads WIDTH elements of every token row at the row stride, which the
+    hardware prefetchers follow badly. So while it reads one segment, the kernel asks
+    for the next one in memory order (software prefetch, the rows after this
+    segment, as many as it has): every line of those rows' used bytes, spread evenly
+    over the segment's token steps, so the requests stream like a plain read instead
+    of arriving in bursts.
+    """
+    N = wt.shape[0]
+    block = wt.shape[1]
+    ring_size = ring_slots(block, stride)
+    # the bytes of a token row the kernel reads, the lines that holds (from the row's
+    # first byte: a row that does not start on a line also touches the next line's
+    # start, which the prefetch leaves to the load), and the rows' stride in bytes
+    row_bytes = ((N - 1) * x.shape[3] + D) * x.itemsize if N > 0 else 0
+    row_lines = (row_bytes + LINE_BYTES - 1) // LINE_BYTES
+    row_stride = x.shape[2] * x.shape[3] * x.itemsize
+    passes = N * (D // WIDTH)
+    for unit in prange(tiles.shape[0]):
+        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
+                                                          stride)
+        ring = scratch[get_thread_id()]
+        while rel < rel_end:
+            lo, hi = _covering(rel, block, stride, i0, i1 - 1)
+            nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
+            if lo > hi:           # between windows (d > l): never read
+                rel = nxt
+                continue
+            opens = rel == hi * stride          # window hi starts here: from zero
+            closes = nxt == lo * stride + block  # window lo ends at nxt - 1
+            ja = rel - lo * stride
+            jb = rel - hi * stride
+            # the prefetch of the next `ahead` rows: `lines` lines over the segment's
+            # passes, `share` per pass, one per token step and the rest at its start;
+            # the cursor `at` (bytes after row s0 + nxt) advances through row data only
+            ahead = max(0, min(nxt - rel, x.shape[1] - (s0 + nxt)))
+            share = (ahead * row_lines + passes - 1) // max(passes, 1)
+            left = ahead * row_lines
+            at = 0
+            stop = row_bytes
+            for n in range(N):
+                for e0 in range(0, D, WIDTH):
+                    pa = ((lo % ring_size) * N + n) * D + e0
+                    pb = ((hi % ring_size) * N + n) * D + e0
+                    check_span(ring, pa)
+                    check_span(ring, pb)
+                    steps = min(share, left)
+                    left -= steps
+                    for _ in range(nxt - rel, steps):
+                        at, stop = _prefetch_line(x, b, s0 + nxt, at, stop, row_stride,
+                                                  row_bytes)
+                    if lo == hi:
+                        acc = vzeros() if opens else vload(ring, pa)
+                        for r in range(rel, nxt):
+                            v, at, stop = _token_step(x, b, s0 + r, n, e0, r - rel < steps,
+                                                      s0 + nxt, at, stop, row_stride,
+                                                      row_bytes)
+                            acc = vmul_add(acc, wt[n, np.uint64(ja + r - rel)], v)
+                        _park(ring, pa, out, b, row0 + lo, n, e0, acc, closes)
+                    else:                 # two windows: lo opened earlier, hi may open
+                        acc = vload(ring, pa)
+                        acc_hi = vzeros() if opens else vload(ring, pb)
+                        for r in range(rel, nxt):
+                            v, at, stop = _token_step(x, b, s0 + r, n, e0, r - rel < steps,
+                                                      s0 + nxt, at, stop, row_stride,
+                                                      row_bytes)
+                            acc = vmul_add(acc, wt[n, np.uint64(ja + r - rel)], v)
+                            acc_hi = vmul_add(acc_hi, wt[n, np.uint64(jb + r - rel)], v)
+                        _park(ring, pa, out, b, row0 + lo, n, e0, acc, closes)
+                        vstore(ring, pb, acc_hi)
             rel = nxt
 
 

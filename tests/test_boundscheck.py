@@ -9,13 +9,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
+import sys
 import numpy as np
 from nsa_numba import _dispatch, _jit, _kernels
 from nsa_numba._plan import Rules, plan_forward
 
 assert _jit.BOUNDSCHECK
-x = np.ones((64, 2, 16), np.float32)
+D = int(sys.argv[2])
+x = np.ones((64, 2, D), np.float32)
 w = np.ones((32, 2), np.float32)
 plan = plan_forward(Rules("test"), x, w, 32, 16, None, 0, "TND", None)
 tiles = plan.tiles.copy()
@@ -23,8 +27,8 @@ tiles[:, _kernels.NW] += 5          # five windows beyond the input's last token
 tiles[:, _kernels.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
-    _kernels.compress_forward_rows(plan.storage("input"), _dispatch._weight_table(plan),
-                                   plan.storage("out"), tiles, 16, 16, scratch)
+    getattr(_kernels, sys.argv[1])(plan.storage("input"), _dispatch._weight_table(plan),
+                                   plan.storage("out"), tiles, 16, D, scratch)
 except Exception as err:
     # a parallel region re-raises it as SystemError with the IndexError as its cause
     chain = [err, err.__cause__, err.__context__]
@@ -33,9 +37,13 @@ except Exception as err:
 """
 
 
-def test_boundscheck_mode_catches_an_out_of_bounds_tile():
+@pytest.mark.parametrize("kernel,D", [("compress_forward_rows", 16),
+                                      ("compress_forward_simd", 128)])
+def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
+    # the vector kernel's loads and stores bypass Numba's indexing: _simd.check_row
+    # must catch the same tile
     env = dict(os.environ, NSA_NUMBA_BOUNDSCHECK="1")
-    child = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                           text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", SCRIPT, kernel, str(D)], env=env,
+                           capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.strip() == "raised"

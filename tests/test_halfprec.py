@@ -149,7 +149,13 @@ print(_halfprec.HAVE_F16C)
 x, w, g = random_problem(700, 3, 48, 48, 16, [0, 300, 700], np.float16, seed=5)
 y = nsa_numba.nsa_compress(x, w, 48, 16, actual_seq_len=[0, 300, 700])
 dx, dw = nsa_numba.nsa_compress_grad(g, x, w, 48, 16, actual_seq_len=[0, 300, 700])
-print(*[hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)])
+results = [y, dx, dw]
+# D = 128: the forward keeps its sums in vectors (compress_forward_simd), which a
+# baseline x86-64 holds in SSE registers; float16 needs F16C for it
+for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+    x, w, _ = random_problem(300, 2, 128, 32, 16, [0, 100, 300], dtype, seed=6)
+    results.append(nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[0, 100, 300]))
+print(*[hashlib.sha256(a.tobytes()).hexdigest() for a in results])
 """
 
 

@@ -1,11 +1,13 @@
-"""The two forward kernels (one token per pass, GROUP tokens per pass) agree bit for bit."""
+"""The forward kernels (one token per pass, GROUP tokens per pass, window sums in
+registers) agree bit for bit, and the dispatcher picks the one that applies."""
 
 import numpy as np
 import pytest
 
-from nsa_numba import _dispatch, _kernels
+from nsa_numba import _dispatch, _kernels, _plan, _simd
+from nsa_numba.api import nsa_compress
 from nsa_numba._plan import Rules, plan_forward
-from conftest import DTYPE_IDS, DTYPES, random_problem
+from conftest import DTYPE_IDS, DTYPES, assert_forward_accurate, random_problem
 
 
 @pytest.mark.parametrize("N,D,block,stride,seq", [
@@ -31,10 +33,95 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     assert np.array_equal(results[0], results[1])
 
 
+def _run_forward(kernel, plan, scratch):
+    out = plan.storage("out")
+    out[...] = 0
+    kernel(plan.storage("input"), _dispatch._weight_table(plan), out, plan.tiles, plan.stride,
+           plan.D, scratch)
+    return out.copy()
+
+
+#: the dtypes compress_forward_simd takes on this machine (float16 only with F16C)
+SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STORAGE]
+
+
+@pytest.mark.parametrize("N,D,block,stride,seq", [
+    (4, 128, 32, 16, [0, 37, 100, 101, 400]),   # two windows per token (l = 2d)
+    (1, 128, 16, 16, [0, 250]),                 # one window per token (l = d)
+    (3, 256, 24, 16, [0, 37, 300]),             # one or two windows; 8 vectors per head
+    (2, 96, 32, 16, [0, 77, 200]),              # 3 vectors per head
+    (2, 128, 8, 20, [0, 150, 300]),             # gaps between windows (d > l)
+    (5, 128, 30, 17, [0, 31, 300]),             # odd l and d
+    (2, 128, 5, 3, [0, 2, 61]),                 # a sequence shorter than a window
+])
+@pytest.mark.parametrize("dtype", SIMD_DTYPES, ids=str)
+def test_simd_forward_matches_rows_kernel(N, D, block, stride, seq, dtype):
+    x, w, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=N * D + block)
+    # values that round to infinity, NaN (signalling and quiet), infinities, zeros
+    flat = x.reshape(-1)
+    flat[::97] = np.array(np.inf, dtype)
+    flat[5::131] = np.array(-np.inf, dtype)
+    flat[7::173] = np.array(np.nan, dtype)
+    flat[11::59] = np.array(np.finfo(dtype).max, dtype)
+    flat[13::61] = 0
+    plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
+                        None)
+    assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
+        is _kernels.compress_forward_simd
+    _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
+    rows = _run_forward(_kernels.compress_forward_rows, plan, scratch)
+    simd = _run_forward(_kernels.compress_forward_simd, plan, scratch)
+    # the same bits, except that a NaN's sign and payload are not promised: LLVM may
+    # swap the operands of an add, and x86 keeps the first operand's NaN
+    both_nan = np.isnan(rows.view(dtype)) & np.isnan(simd.view(dtype))
+    assert both_nan.any()
+    assert np.array_equal(np.where(both_nan, 0, rows), np.where(both_nan, 0, simd))
+
+
+@pytest.mark.parametrize("view", ["heads", "tokens"])
+def test_simd_forward_on_a_padded_carrier(view):
+    # a slice of heads or every other token arrives as a C-order carrier whose rows are
+    # longer than the bytes read: the prefetch walks each row's used bytes only
+    seq = [0, 90, 300]
+    big, w, _ = random_problem(600, 6, 128, 32, 16, [0, 600], np.float32, seed=8)
+    x = big[:300, 1:5] if view == "heads" else big[::2, 1:5]
+    plan = plan_forward(Rules("test"), x, w[:, 1:5], 32, 16, seq, 0, "TND", None)
+    assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
+        is _kernels.compress_forward_simd
+    assert plan.storage("input").shape[2] > 4       # rows padded beyond the 4 heads read
+    _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
+    rows = _run_forward(_kernels.compress_forward_rows, plan, scratch)
+    assert np.array_equal(rows, _run_forward(_kernels.compress_forward_simd, plan, scratch))
+    assert_forward_accurate(rows.reshape(-1, 4, 128), x, w[:, 1:5], 32, 16, seq)
+
+
+@pytest.mark.parametrize("dtype", SIMD_DTYPES, ids=str)
+def test_simd_forward_accurate(dtype):
+    seq = [0, 100, 333, 600]
+    x, w, _ = random_problem(seq[-1], 2, 128, 32, 16, seq, dtype, seed=3)
+    out = nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
+    assert_forward_accurate(out, x, w, 32, 16, seq)
+
+
 def test_dispatch_picks_by_row_length():
-    small = plan_forward(Rules("t"), np.zeros((64, 4, 32), np.float32),
-                         np.zeros((32, 4), np.float32), 32, 16, None, 0, "TND", None)
-    large = plan_forward(Rules("t"), np.zeros((64, 16, 128), np.float32),
-                         np.zeros((32, 16), np.float32), 32, 16, None, 0, "TND", None)
-    assert _dispatch.forward_kernel(small) is _kernels.compress_forward_rows
-    assert _dispatch.forward_kernel(large) is _kernels.compress_forward
+    def kernel(x, w, block=32, stride=16):
+        plan = plan_forward(Rules("t"), x, w, block, stride, None, 0, "TND", None)
+        return _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out"))
+
+    f32 = np.float32
+    assert kernel(np.zeros((64, 4, 48), f32), np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_rows                       # D not a multiple of 32
+    assert kernel(np.zeros((4, 64, 128), f32).transpose(1, 0, 2), np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_rows                       # rows not in C order
+    assert kernel(np.zeros((128, 4, 128), f32)[::2], np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_simd                       # a padded C-order carrier
+    assert kernel(np.zeros((64, 4, 128), f32), np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_simd
+    assert kernel(np.zeros((64, 4, 128), f32), np.zeros((48, 4), f32), 48, 16) \
+        is _kernels.compress_forward_rows                       # three windows per token
+    assert kernel(np.zeros((64, 4, 256), f32)[:, :, ::2], np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_rows                       # rows with a step
+    assert kernel(np.zeros((64, 4, 128), np.float64), np.zeros((32, 4), np.float64)) \
+        is _kernels.compress_forward_rows                       # float64 sums
+    assert kernel(np.zeros((64, 16, 128), f32), np.zeros((32, 16), f32)) \
+        is _kernels.compress_forward
