@@ -46,6 +46,14 @@ def simd_fits(plan, x, out):
             and _simd.row_fits(x) and _simd.row_fits(out))
 
 
+def backward_vector(plan, x, ig):
+    """Whether ``compress_backward`` can run its token pairs in ``_simd`` vectors on
+    storage views ``x`` and ``ig``: D a multiple of their width, unit-stride rows of
+    one dtype that ``_simd`` converts, and compiled code."""
+    return (not numba.config.DISABLE_JIT and plan.D % _simd.SHORT_WIDTH == 0
+            and x.dtype == ig.dtype and _simd.row_fits(x) and _simd.row_fits(ig))
+
+
 def forward_kernel(plan, x, out):
     """The forward kernel for this problem (all give the same bits): for short token
     rows, the register-held one where it fits, else one token per pass; for long
@@ -76,7 +84,8 @@ def run(plan, workspace=None):
         _threading.launch(forward_kernel(plan, x, out), x, wt, out, plan.tiles, plan.stride,
                           plan.D, scratch)
         return
-    _threading.launch(_kernels.compress_backward, plan.storage("grad", workspace),
-                      plan.storage("input", workspace), wt, plan.storage("input_grad"),
-                      partials, plan.tiles, plan.stride, plan.D, scratch)
+    x, ig = plan.storage("input", workspace), plan.storage("input_grad")
+    _threading.launch(_kernels.compress_backward, plan.storage("grad", workspace), x, wt, ig,
+                      partials, plan.tiles, plan.stride, plan.D, scratch,
+                      backward_vector(plan, x, ig))
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))

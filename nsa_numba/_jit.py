@@ -23,6 +23,10 @@ _OPTIONS = dict(
     boundscheck=True if BOUNDSCHECK else None,
 )
 
+#: the same options for ``numba.extending.overload`` implementations
+OVERLOAD_OPTIONS = {k: v for k, v in _OPTIONS.items() if k not in ("cache", "nogil")}
+
+
 def jit(func=None, **extra):
     """``numba.njit`` with the project's options; ``extra`` adds e.g. ``inline``."""
     decorator = njit(**_OPTIONS, **extra)

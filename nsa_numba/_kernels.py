@@ -31,27 +31,33 @@ token and head that cost about half of the forward's time on short rows.
 """
 
 import numpy as np
-from numba import get_thread_id, prange
+from numba import from_dtype, get_thread_id, prange
+from numba.extending import overload
 
 from ._halfprec import narrow, widen
-from ._jit import jit, jit_parallel
+from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
-from ._simd import (WIDTH, check_row, check_span, vload, vload_row, vmul_add, vstore,
-                    vstore_row, vzeros)
+from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload, vload_row,
+                    vload_row_short, vload_short, vmul_add, vstore, vstore_row, vzeros,
+                    vzeros_short)
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "0d76336e7c518e96",
-    "_jit.py": "91fc5f6e88a5a702",
+    "_jit.py": "73935d928af2f0a8",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "d7cef7f3cd25cdc9",
+    "_simd.py": "b0bf4db3a3f5e368",
 }
 
 #: tokens per pass over D in compress_forward's common paths
 GROUP = 4
 #: token rows (N * D elements) shorter than this use compress_forward_rows
 GROUPED_MIN_ROW = 2048
+
+#: Numba dtypes of the storage whose rows ``_simd`` converts (compress_backward's
+#: vector pairs)
+VECTOR_DTYPES = tuple(from_dtype(t) for t in STORAGE)
 
 # columns of the tile table (see _plan.tile_schedule)
 BATCH, S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(10)
@@ -438,8 +444,86 @@ def _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t, rel, lo, hi, stride, 
                 ig[b, t, n, e] = narrow(ia[e], ig)
 
 
+def _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D,
+                 vector):
+    """The terms of tokens t and t + d (see ``compress_backward``): t at offset ``ja``
+    of the window whose gradient row is in ring slot ``sa`` and at ``ja - d`` of the
+    next one (slot ``sb``), t + d likewise of the windows in slots sb and sc.
+
+    ``gring`` and ``lanes`` are views of ``mine``, the ring at its start and the
+    lanes ``lanes_at`` elements on. In compiled code, for storage dtypes ``_simd``
+    converts, ``vector`` runs the same sums in ``_simd`` vectors instead of the loop
+    below (``_pair_tokens_vector``): same operations in the same order, same bits.
+    """
+    zero = lanes.dtype.type(0)
+    jb = ja - stride
+    for n in range(wt.shape[0]):
+        wa = wt[n, ja]
+        wb = wt[n, jb]
+        for e in range(D):
+            v = widen(x[b, t, n, e])
+            vu = widen(x[b, t + stride, n, e])
+            p = gring[sa, n, e]
+            q = gring[sb, n, e]
+            s = gring[sc, n, e]
+            ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
+            ig[b, t + stride, n, e] = narrow((zero + wa * q) + wb * s, ig)
+            lanes[ja, n, e] = (lanes[ja, n, e] + p * v) + q * vu
+            lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
+
+
+_pair_tokens_scalar = jit(inline="always")(_pair_tokens)
+
+
+@jit(inline="always")
+def _pair_tokens_vector(x, wt, ig, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D):
+    """``_pair_tokens`` over ``SHORT_WIDTH`` elements at a time; D a multiple of it."""
+    N = wt.shape[0]
+    jb = ja - stride
+    u = t + stride
+    for n in range(N):
+        wa = wt[n, ja]
+        wb = wt[n, jb]
+        pa = (sa * N + n) * D
+        pb = (sb * N + n) * D
+        pc = (sc * N + n) * D
+        la = lanes_at + (ja * N + n) * D
+        lb = lanes_at + (jb * N + n) * D
+        for e0 in range(0, D, SHORT_WIDTH):
+            for tok in (t, u):
+                check_row(x, b, tok, n, e0, SHORT_WIDTH)
+                check_row(ig, b, tok, n, e0, SHORT_WIDTH)
+            for i in (pa, pb, pc, la, lb):
+                check_span(mine, i + e0, SHORT_WIDTH)
+            v = vload_row_short(x, b, t, n, e0)
+            vu = vload_row_short(x, b, u, n, e0)
+            p = vload_short(mine, pa + e0)
+            q = vload_short(mine, pb + e0)
+            s = vload_short(mine, pc + e0)
+            vstore_row(ig, b, t, n, e0, vmul_add(vmul_add(vzeros_short(), wa, p), wb, q))
+            vstore_row(ig, b, u, n, e0, vmul_add(vmul_add(vzeros_short(), wa, q), wb, s))
+            vstore(mine, la + e0, vmul_add(vmul_add(vload_short(mine, la + e0), p, v), q, vu))
+            vstore(mine, lb + e0, vmul_add(vmul_add(vload_short(mine, lb + e0), q, v), s, vu))
+
+
+@overload(_pair_tokens, inline="always", jit_options=OVERLOAD_OPTIONS)
+def _pair_tokens_typed(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride,
+                       D, vector):
+    if not (x.dtype == ig.dtype and x.dtype in VECTOR_DTYPES):
+        return _pair_tokens
+
+    def both(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D,
+             vector):
+        if vector:
+            _pair_tokens_vector(x, wt, ig, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D)
+        else:
+            _pair_tokens_scalar(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb,
+                                sc, stride, D, vector)
+    return both
+
+
 @jit_parallel
-def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
+def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch, vector):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
@@ -460,6 +544,8 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
 
     Gradient rows are decoded into a ring of ceil(l / d) + 1 slots as their windows
     open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
+    ``vector``: whether the pairs go through ``_simd`` vectors (``_pair_tokens``;
+    ``_dispatch.backward_vector`` says when they can).
     """
     N = wt.shape[0]
     block = wt.shape[1]
@@ -477,6 +563,7 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
         at = ring_size * N * D
         gring = mine[:at].reshape((ring_size, N, D))
         lanes = mine[at:at + block * N * D].reshape((block, N, D))
+        lanes_at = at
         at += block * N * D
         xf = mine[at:at + D]
         ia = mine[at + D:at + 2 * D]
@@ -498,24 +585,9 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch):
                 lo, hi = _covering(r, block, stride, first, last)
                 lo_u, hi_u = _covering(u, block, stride, first, last)
                 if u < end and lo + 1 == hi and lo_u == hi and hi_u == hi + 1:
-                    ja = r - lo * stride
-                    jb = ja - stride
-                    sa = lo % ring_size
-                    sb = hi % ring_size
-                    sc = hi_u % ring_size
-                    for n in range(N):
-                        wa = wt[n, ja]
-                        wb = wt[n, jb]
-                        for e in range(D):
-                            v = widen(x[b, t, n, e])
-                            vu = widen(x[b, t + stride, n, e])
-                            p = gring[sa, n, e]
-                            q = gring[sb, n, e]
-                            s = gring[sc, n, e]
-                            ig[b, t, n, e] = narrow((zero + wa * p) + wb * q, ig)
-                            ig[b, t + stride, n, e] = narrow((zero + wa * q) + wb * s, ig)
-                            lanes[ja, n, e] = (lanes[ja, n, e] + p * v) + q * vu
-                            lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
+                    _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t,
+                                 r - lo * stride, lo % ring_size, hi % ring_size,
+                                 hi_u % ring_size, stride, D, vector)
                 else:
                     # r, then r + d if the tile has it; a loop rather than two calls, as
                     # the helper is inlined (two copies cost seconds of compile time)

@@ -1,24 +1,28 @@
 """Fixed-width float32 vectors, so a kernel can keep window sums in registers.
 
-Numba has no vector type. :class:`F32Vector` is one: a value of ``WIDTH`` float32
-lanes that lowers to an LLVM ``<WIDTH x float>``, which LLVM splits into as many
-machine registers as the target needs (for 32 lanes: two 512-bit registers with
-AVX-512, four 256-bit ones with AVX2, eight with SSE; any LLVM target takes it). The functions
-here are the only operations on it; each is a few LLVM instructions that the
+Numba has no vector type. :class:`F32Vector` is one: a value of a fixed number of
+float32 lanes that lowers to an LLVM ``<lanes x float>``, which LLVM splits into as
+many machine registers as the target needs (for 32 lanes: two 512-bit registers
+with AVX-512, four 256-bit ones with AVX2, eight with SSE; any LLVM target takes
+it). Two widths exist: ``WIDTH`` lanes (the forward's window sums) and
+``SHORT_WIDTH`` (the backward, whose loop holds more vectors at once). The functions
+here are the only operations on them; each is a few LLVM instructions that the
 kernels inline:
 
-=================================== ==============================================
-``vzeros()``                       all lanes 0
-``vload(a, i)``                     ``a[i:i + WIDTH]`` of a 1-D float32 array
-``vstore(a, i, v)``                 the reverse
-``vload_row(x, b, t, n, e)``        ``x[b, t, n, e:e + WIDTH]`` widened to float32
-``vmul_add(acc, w, v)``             ``acc + w * v`` per lane: the product rounded
-                                    to float32, then the sum, as the scalar
-                                    kernels do (no fused multiply-add, which
-                                    rounds once and gives other bits)
-``vstore_row(out, b, t, n, e, v)``  ``out[b, t, n, e:e + WIDTH]`` = ``v`` rounded
-                                    to out's storage type
-=================================== ==============================================
+========================================= ========================================
+``vzeros()``, ``vzeros_short()``          all lanes 0
+``vload(a, i)``, ``vload_short(a, i)``    ``a[i:i + lanes]`` of a 1-D float32 array
+``vstore(a, i, v)``                       the reverse (any width)
+``vload_row(x, b, t, n, e)``,             ``x[b, t, n, e:e + lanes]`` widened to
+``vload_row_short(x, b, t, n, e)``        float32
+``vmul_add(acc, w, v)``                   ``acc + w * v`` per lane, ``w`` a float32
+                                          or a vector: the product rounded to
+                                          float32, then the sum, as the scalar
+                                          kernels do (no fused multiply-add, which
+                                          rounds once and gives other bits)
+``vstore_row(out, b, t, n, e, v)``        ``out[b, t, n, e:e + lanes]`` = ``v``
+                                          rounded to out's storage type
+========================================= ========================================
 
 Conversions give exactly what :func:`nsa_numba._halfprec.widen` and ``narrow`` give
 per element: bfloat16 as the top half of float32, rounded to nearest even with NaN
@@ -43,32 +47,38 @@ from ._jit import BOUNDSCHECK, jit
 #: then take 8 of AVX2's 16 registers, leaving room for the loads; 128 lanes (a
 #: whole head of D = 128) spill on AVX2 and measured slower than 32.
 WIDTH = 32
+#: lanes per vector of the backward: its loop holds five input vectors and four
+#: results, which at 32 lanes spilled from AVX2's registers; 8 lanes (one AVX2
+#: register) ran 0.80-0.97x the time of the loop LLVM vectorises from scalar code
+SHORT_WIDTH = 8
 
 #: storage dtypes whose rows vload_row and vstore_row convert (see _halfprec's table)
 STORAGE = (np.dtype(np.int16), np.dtype(np.float32)) + (
     (np.dtype(np.uint16),) if HAVE_F16C else ())
 
 _F32 = ir.FloatType()
-_VEC = ir.VectorType(_F32, WIDTH)
-_I16 = ir.VectorType(ir.IntType(16), WIDTH)
-_I32 = ir.VectorType(ir.IntType(32), WIDTH)
-_HALF = ir.VectorType(ir.HalfType(), WIDTH)
+
+
+def _vec(element, lanes):
+    return ir.VectorType(element, lanes)
 
 
 class F32Vector(types.Type):
-    """WIDTH float32 lanes, held as one LLVM vector value."""
+    """``lanes`` float32 lanes, held as one LLVM vector value."""
 
-    def __init__(self):
-        super().__init__(name=f"F32Vector{WIDTH}")
+    def __init__(self, lanes):
+        self.lanes = lanes
+        super().__init__(name=f"F32Vector{lanes}")
 
 
-f32vector = F32Vector()
+f32vector = F32Vector(WIDTH)
+f32vector_short = F32Vector(SHORT_WIDTH)
 
 
 @register_model(F32Vector)
 class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VEC)
+        super().__init__(dmm, fe_type, _vec(_F32, fe_type.lanes))
 
 
 def row_fits(arr):
@@ -96,116 +106,133 @@ def _is_row_array(arr):
             and arr.dtype in (types.int16, types.uint16, types.float32))
 
 
-@intrinsic
-def vzeros(typingctx):
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_VEC, None)
-    return f32vector(), codegen
+def _constructors(vector_type):
+    """(zeros, load, load_row) intrinsics that make vectors of ``vector_type``."""
+    lanes = vector_type.lanes
+    vec = _vec(_F32, lanes)
+
+    @intrinsic
+    def zeros(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(vec, None)
+        return vector_type(), codegen
+
+    @intrinsic
+    def load(typingctx, arr, i):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1
+                and arr.dtype == types.float32 and _is_index(i)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1:],
+                                   args[1:])
+            return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+        return vector_type(arr, i), codegen
+
+    @intrinsic
+    def load_row(typingctx, x, b, t, n, e):
+        if not (_is_row_array(x) and _is_index(b, t, n, e)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ptr = _element_pointer(context, builder, aryty, args[0], sig.args[1:], args[1:])
+            if aryty.dtype == types.float32:
+                return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+            i16 = _vec(ir.IntType(16), lanes)
+            bits = builder.load(builder.bitcast(ptr, i16.as_pointer()), align=2)
+            if aryty.dtype == types.uint16:              # float16
+                return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), lanes)), vec)
+            i32 = _vec(ir.IntType(32), lanes)
+            wide = builder.shl(builder.zext(bits, i32), _splat(16, i32))   # bfloat16
+            return builder.bitcast(wide, vec)
+        return vector_type(x, b, t, n, e), codegen
+
+    return zeros, load, load_row
 
 
-@intrinsic
-def vload(typingctx, arr, i):
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32
-            and _is_index(i)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1:], args[1:])
-        return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-    return f32vector(arr, i), codegen
+vzeros, vload, vload_row = _constructors(f32vector)
+vzeros_short, vload_short, vload_row_short = _constructors(f32vector_short)
 
 
 @intrinsic
 def vstore(typingctx, arr, i, value):
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32
-            and _is_index(i) and value == f32vector):
+            and _is_index(i) and isinstance(value, F32Vector)):
         return None
 
     def codegen(context, builder, sig, args):
         ptr = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1:2],
                                args[1:2])
-        builder.store(args[2], builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=4)
         return context.get_dummy_value()
     return types.none(arr, i, value), codegen
 
 
 @intrinsic
-def vload_row(typingctx, x, b, t, n, e):
-    if not (_is_row_array(x) and _is_index(b, t, n, e)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ptr = _element_pointer(context, builder, aryty, args[0], sig.args[1:], args[1:])
-        if aryty.dtype == types.float32:
-            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-        bits = builder.load(builder.bitcast(ptr, _I16.as_pointer()), align=2)
-        if aryty.dtype == types.uint16:              # float16
-            return builder.fpext(builder.bitcast(bits, _HALF), _VEC)
-        wide = builder.shl(builder.zext(bits, _I32), _splat(16, _I32))   # bfloat16
-        return builder.bitcast(wide, _VEC)
-    return f32vector(x, b, t, n, e), codegen
-
-
-@intrinsic
 def vmul_add(typingctx, acc, w, v):
-    if not (acc == f32vector and v == f32vector and w == types.float32):
+    if not (isinstance(acc, F32Vector) and v == acc and (w == types.float32 or w == acc)):
         return None
 
     def codegen(context, builder, sig, args):
         acc, w, v = args
-        lane0 = builder.insert_element(ir.Constant(_VEC, ir.Undefined), w,
-                                       ir.Constant(ir.IntType(32), 0))
-        ws = builder.shuffle_vector(lane0, ir.Constant(_VEC, ir.Undefined),
-                                    ir.Constant(_I32, None))
-        return builder.fadd(acc, builder.fmul(ws, v))
-    return f32vector(acc, w, v), codegen
+        if sig.args[1] == types.float32:             # the same w in every lane
+            vec = acc.type
+            lane0 = builder.insert_element(ir.Constant(vec, ir.Undefined), w,
+                                           ir.Constant(ir.IntType(32), 0))
+            w = builder.shuffle_vector(lane0, ir.Constant(vec, ir.Undefined),
+                                       ir.Constant(_vec(ir.IntType(32), vec.count), None))
+        return builder.fadd(acc, builder.fmul(w, v))
+    return acc(acc, w, v), codegen
 
 
 @intrinsic
 def vstore_row(typingctx, out, b, t, n, e, value):
-    if not (_is_row_array(out) and _is_index(b, t, n, e) and value == f32vector):
+    if not (_is_row_array(out) and _is_index(b, t, n, e) and isinstance(value, F32Vector)):
         return None
 
     def codegen(context, builder, sig, args):
         aryty = sig.args[0]
         ptr = _element_pointer(context, builder, aryty, args[0], sig.args[1:5], args[1:5])
         value = args[5]
+        lanes = value.type.count
         if aryty.dtype == types.float32:
-            builder.store(value, builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+            builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=4)
             return context.get_dummy_value()
+        i16 = _vec(ir.IntType(16), lanes)
         if aryty.dtype == types.uint16:              # float16, round to nearest even
-            bits = builder.bitcast(builder.fptrunc(value, _HALF), _I16)
+            bits = builder.bitcast(builder.fptrunc(value, _vec(ir.HalfType(), lanes)), i16)
         else:                                        # bfloat16: as _halfprec.f32_to_bf16
-            f = builder.bitcast(value, _I32)
-            high = builder.lshr(f, _splat(16, _I32))
-            biased = builder.add(builder.add(f, _splat(0x7FFF, _I32)),
-                                 builder.and_(high, _splat(1, _I32)))
-            nan = builder.icmp_unsigned(">", builder.and_(f, _splat(0x7FFFFFFF, _I32)),
-                                        _splat(0x7F800000, _I32))
-            quiet = builder.or_(high, _splat(0x0040, _I32))
-            bits = builder.trunc(builder.select(nan, quiet, builder.lshr(biased,
-                                                                         _splat(16, _I32))),
-                                 _I16)
-        builder.store(bits, builder.bitcast(ptr, _I16.as_pointer()), align=2)
+            i32 = _vec(ir.IntType(32), lanes)
+            f = builder.bitcast(value, i32)
+            high = builder.lshr(f, _splat(16, i32))
+            biased = builder.add(builder.add(f, _splat(0x7FFF, i32)),
+                                 builder.and_(high, _splat(1, i32)))
+            # NaN: the compare of a value with itself, one instruction where the bit
+            # test (magnitude bits above infinity's) takes three
+            nan = builder.fcmp_unordered("uno", value, value)
+            quiet = builder.or_(high, _splat(0x0040, i32))
+            bits = builder.trunc(builder.select(nan, quiet,
+                                                builder.lshr(biased, _splat(16, i32))), i16)
+        builder.store(bits, builder.bitcast(ptr, i16.as_pointer()), align=2)
         return context.get_dummy_value()
     return types.none(out, b, t, n, e, value), codegen
 
 
 @jit
-def check_row(arr, b, t, n, e):
+def check_row(arr, b, t, n, e, lanes=WIDTH):
     """In the bounds-checked build, index the first and last element of the row a
-    vector operation on ``arr[b, t, n, e:]`` will touch, so an index out of range
-    raises IndexError; in the normal build, nothing. Returns a value so the reads
-    are not dropped as dead code."""
+    vector operation on ``arr[b, t, n, e:e + lanes]`` will touch, so an index out of
+    range raises IndexError; in the normal build, nothing. Returns a value so the
+    reads are not dropped as dead code."""
     if BOUNDSCHECK:
-        return arr[b, t, n, e] == arr[b, t, n, e + WIDTH - 1]
+        return arr[b, t, n, e] == arr[b, t, n, e + lanes - 1]
     return True
 
 
 @jit
-def check_span(arr, i):
-    """``check_row`` for ``load``/``store`` on ``arr[i:i + WIDTH]`` (1-D)."""
+def check_span(arr, i, lanes=WIDTH):
+    """``check_row`` for ``vload``/``vstore`` on ``arr[i:i + lanes]`` (1-D)."""
     if BOUNDSCHECK:
-        return arr[i] == arr[i + WIDTH - 1]
+        return arr[i] == arr[i + lanes - 1]
     return True

@@ -47,3 +47,43 @@ def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.strip() == "raised"
+
+
+BACKWARD_SCRIPT = r"""
+import numpy as np
+from nsa_numba import _dispatch, _jit, _kernels
+from nsa_numba._plan import Rules, plan_grad
+
+assert _jit.BOUNDSCHECK
+x = np.ones((96, 2, 64), np.float32)
+w = np.ones((32, 2), np.float32)
+g = np.ones((5, 2, 64), np.float32)
+plan = plan_grad(Rules("test"), g, x, w, 32, 16, None, 0, "TND", None, None)
+workspace = _dispatch.new_workspace(plan)
+partials, scratch = _dispatch.carve(plan, workspace)
+# one tile of tokens 32-63 only (windows 1-3): the pairs of tokens 32-47 with 48-63,
+# which go through the vectors, and an input cut at token 40, so that the first and
+# only reads out of bounds are the vector loads of tokens 48-63
+tiles = plan.tiles[:1].copy()
+tiles[0, _kernels.TOK_LO] = 32
+tiles[0, _kernels.TOK_HI] = 64
+tiles[0, _kernels.G0] = 1
+tiles[0, _kernels.G1] = 4
+short = plan.storage("input")[:, :40]
+try:
+    _kernels.compress_backward(plan.storage("grad"), short, _dispatch._weight_table(plan),
+                               plan.storage("input_grad"), partials, tiles, 16, 64,
+                               scratch, True)
+except Exception as err:
+    chain = [err, err.__cause__, err.__context__]
+    assert any(isinstance(e, IndexError) for e in chain), repr(chain)
+    print("raised")
+"""
+
+
+def test_boundscheck_mode_covers_the_backward_vectors():
+    env = dict(os.environ, NSA_NUMBA_BOUNDSCHECK="1")
+    child = subprocess.run([sys.executable, "-c", BACKWARD_SCRIPT], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "raised"

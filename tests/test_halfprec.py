@@ -155,6 +155,9 @@ results = [y, dx, dw]
 for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
     x, w, _ = random_problem(300, 2, 128, 32, 16, [0, 100, 300], dtype, seed=6)
     results.append(nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[0, 100, 300]))
+    # and the backward pairs its tokens in vectors (compress_backward), likewise
+    g = random_problem(300, 2, 128, 32, 16, [0, 100, 300], dtype, seed=7)[2]
+    results.extend(nsa_numba.nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=[0, 100, 300]))
 print(*[hashlib.sha256(a.tobytes()).hexdigest() for a in results])
 """
 

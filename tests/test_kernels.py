@@ -1,12 +1,13 @@
 """The forward kernels (one token per pass, GROUP tokens per pass, window sums in
-registers) agree bit for bit, and the dispatcher picks the one that applies."""
+registers) agree bit for bit, so do the backward's scalar and vector token pairs,
+and the dispatcher picks what applies."""
 
 import numpy as np
 import pytest
 
 from nsa_numba import _dispatch, _kernels, _plan, _simd
 from nsa_numba.api import nsa_compress
-from nsa_numba._plan import Rules, plan_forward
+from nsa_numba._plan import Rules, plan_forward, plan_grad
 from conftest import DTYPE_IDS, DTYPES, assert_forward_accurate, random_problem
 
 
@@ -33,6 +34,16 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     assert np.array_equal(results[0], results[1])
 
 
+def _specials(a, dtype):
+    """Values that round to infinity, NaN, infinities and zeros, spread over ``a``."""
+    flat = a.reshape(-1)
+    flat[::97] = np.array(np.inf, dtype)
+    flat[5::131] = np.array(-np.inf, dtype)
+    flat[7::173] = np.array(np.nan, dtype)
+    flat[11::59] = np.array(np.finfo(dtype).max, dtype)
+    flat[13::61] = 0
+
+
 def _run_forward(kernel, plan, scratch):
     out = plan.storage("out")
     out[...] = 0
@@ -57,13 +68,7 @@ SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STO
 @pytest.mark.parametrize("dtype", SIMD_DTYPES, ids=str)
 def test_simd_forward_matches_rows_kernel(N, D, block, stride, seq, dtype):
     x, w, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=N * D + block)
-    # values that round to infinity, NaN (signalling and quiet), infinities, zeros
-    flat = x.reshape(-1)
-    flat[::97] = np.array(np.inf, dtype)
-    flat[5::131] = np.array(-np.inf, dtype)
-    flat[7::173] = np.array(np.nan, dtype)
-    flat[11::59] = np.array(np.finfo(dtype).max, dtype)
-    flat[13::61] = 0
+    _specials(x, dtype)
     plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
                         None)
     assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
@@ -125,3 +130,60 @@ def test_dispatch_picks_by_row_length():
         is _kernels.compress_forward_rows                       # float64 sums
     assert kernel(np.zeros((64, 16, 128), f32), np.zeros((32, 16), f32)) \
         is _kernels.compress_forward
+
+
+def _run_backward(plan, vector):
+    workspace = _dispatch.new_workspace(plan)
+    partials, scratch = _dispatch.carve(plan, workspace)
+    ig = plan.storage("input_grad")
+    ig[...] = 0
+    _kernels.compress_backward(plan.storage("grad", workspace), plan.storage("input", workspace),
+                               _dispatch._weight_table(plan), ig, partials, plan.tiles,
+                               plan.stride, plan.D, scratch, vector)
+    return ig.copy(), partials.copy()
+
+
+def _assert_same_bits(a, b, dtype):
+    # a NaN's sign and payload are not promised (see above)
+    both_nan = np.isnan(a.view(dtype)) & np.isnan(b.view(dtype))
+    assert np.array_equal(np.where(both_nan, 0, a), np.where(both_nan, 0, b))
+    return both_nan.any()
+
+
+@pytest.mark.parametrize("N,D,block,stride,seq", [
+    (4, 128, 32, 16, [0, 37, 100, 101, 400]),   # pairs (l = 2d) and edge tokens
+    (3, 24, 64, 32, [0, 300, 700]),             # 3 vectors per head
+    (2, 8, 20, 10, [0, 33, 301]),               # one vector per head
+    (2, 64, 48, 16, [0, 300]),                  # three windows per token: no pairs
+])
+@pytest.mark.parametrize("dtype", SIMD_DTYPES, ids=str)
+def test_backward_vector_pairs_match_scalar(N, D, block, stride, seq, dtype):
+    x, w, g = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=N * D + block)
+    _specials(x, dtype)
+    _specials(g, dtype)
+    plan = plan_grad(Rules("test", strict=False), g, x, w, block, stride, seq, 0, "TND",
+                     None, None)
+    assert _dispatch.backward_vector(plan, plan.storage("input"), plan.storage("input_grad"))
+    scalar_ig, scalar_wg = _run_backward(plan, False)
+    vector_ig, vector_wg = _run_backward(plan, True)
+    assert _assert_same_bits(scalar_ig, vector_ig, dtype)
+    assert _assert_same_bits(scalar_wg, vector_wg, np.float32)
+
+
+def test_dispatch_picks_backward_vectors():
+    def vector(x, dtype=np.float32, block=32, stride=16):
+        x = x.astype(dtype) if x.dtype != dtype else x
+        w = np.zeros((block, x.shape[1]), dtype)
+        g = np.zeros(((x.shape[0] - block) // stride + 1,) + x.shape[1:], dtype)
+        plan = plan_grad(Rules("t", strict=False), g, x, w, block, stride, None, 0, "TND",
+                         None, None)
+        return _dispatch.backward_vector(plan, plan.storage("input"),
+                                         plan.storage("input_grad"))
+
+    f32 = np.float32
+    assert vector(np.zeros((64, 4, 128), f32))
+    assert vector(np.zeros((64, 4, 24), f32))
+    assert not vector(np.zeros((64, 4, 20), f32))                # D not a multiple of 8
+    assert not vector(np.zeros((64, 4, 256), f32)[:, :, ::2])    # rows with a step
+    assert not vector(np.zeros((64, 4, 128), np.float64), np.float64)   # float64 sums
+    assert vector(np.zeros((128, 4, 128), f32)[::2])             # token stride: rows intact
