@@ -52,6 +52,25 @@ def _run_forward(kernel, plan, scratch):
     return out.copy()
 
 
+def _assert_same_bits(a, b, dtype):
+    """a and b hold the same bits, except that a NaN's sign and payload are not
+    promised (LLVM may swap the operands of an add, and x86 keeps the first operand's
+    NaN); returns whether any NaN was compared."""
+    both_nan = np.isnan(a.view(dtype)) & np.isnan(b.view(dtype))
+    assert np.array_equal(np.where(both_nan, 0, a), np.where(both_nan, 0, b))
+    return both_nan.any()
+
+
+def _simd_matches(kernel, plan, dtype):
+    """The dispatcher picks compress_forward_simd for ``plan``, and it gives ``kernel``'s
+    bits; returns whether NaNs were among them."""
+    assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
+        is _kernels.compress_forward_simd
+    _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
+    return _assert_same_bits(_run_forward(kernel, plan, scratch),
+                             _run_forward(_kernels.compress_forward_simd, plan, scratch), dtype)
+
+
 #: the dtypes compress_forward_simd takes on this machine (float16 only with F16C)
 SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STORAGE]
 
@@ -71,16 +90,24 @@ def test_simd_forward_matches_rows_kernel(N, D, block, stride, seq, dtype):
     _specials(x, dtype)
     plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
                         None)
-    assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
-        is _kernels.compress_forward_simd
-    _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
-    rows = _run_forward(_kernels.compress_forward_rows, plan, scratch)
-    simd = _run_forward(_kernels.compress_forward_simd, plan, scratch)
-    # the same bits, except that a NaN's sign and payload are not promised: LLVM may
-    # swap the operands of an add, and x86 keeps the first operand's NaN
-    both_nan = np.isnan(rows.view(dtype)) & np.isnan(simd.view(dtype))
-    assert both_nan.any()
-    assert np.array_equal(np.where(both_nan, 0, rows), np.where(both_nan, 0, simd))
+    assert _simd_matches(_kernels.compress_forward_rows, plan, dtype)
+
+
+HALF_SIMD_DTYPES = [t for t in SIMD_DTYPES if t.itemsize == 2]
+
+
+@pytest.mark.parametrize("dtype", HALF_SIMD_DTYPES, ids=str)
+def test_simd_forward_on_long_rows_matches_grouped_kernel(dtype):
+    # rows of 4 KiB (N * D = 2048 16-bit elements): long enough for GROUP tokens per
+    # pass, and short enough for the register-held kernel, which the dispatcher picks
+    N, D, block, stride, seq = 16, 128, 64, 32, [0, 45, 190, 300]
+    x, w, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=16)
+    _specials(x, dtype)
+    plan = plan_forward(Rules("test"), x, w, block, stride, seq, 0, "TND", None)
+    assert _simd_matches(_kernels.compress_forward, plan, dtype)
+    x_finite, _, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=17)
+    out = nsa_compress(x_finite, w, block, stride, actual_seq_len=seq)
+    assert_forward_accurate(out, x_finite, w, block, stride, seq)
 
 
 @pytest.mark.parametrize("view", ["heads", "tokens"])
@@ -128,6 +155,13 @@ def test_dispatch_picks_by_row_length():
         is _kernels.compress_forward_rows                       # rows with a step
     assert kernel(np.zeros((64, 4, 128), np.float64), np.zeros((32, 4), np.float64)) \
         is _kernels.compress_forward_rows                       # float64 sums
+    bf16 = np.dtype("bfloat16")
+    assert kernel(np.zeros((64, 16, 128), bf16), np.zeros((32, 16), bf16)) \
+        is _kernels.compress_forward_simd                       # long rows of 4 KiB
+    assert kernel(np.zeros((64, 32, 128), bf16), np.zeros((32, 32), bf16)) \
+        is _kernels.compress_forward                            # long rows of 8 KiB
+    assert kernel(np.zeros((64, 16, 128), f32), np.zeros((32, 16), f32)) \
+        is _kernels.compress_forward                            # 8 KiB of float32
     assert kernel(np.zeros((64, 16, 128), f32), np.zeros((32, 16), f32)) \
         is _kernels.compress_forward
 
@@ -141,13 +175,6 @@ def _run_backward(plan, vector):
                                _dispatch._weight_table(plan), ig, partials, plan.tiles,
                                plan.stride, plan.D, scratch, vector)
     return ig.copy(), partials.copy()
-
-
-def _assert_same_bits(a, b, dtype):
-    # a NaN's sign and payload are not promised (see above)
-    both_nan = np.isnan(a.view(dtype)) & np.isnan(b.view(dtype))
-    assert np.array_equal(np.where(both_nan, 0, a), np.where(both_nan, 0, b))
-    return both_nan.any()
 
 
 @pytest.mark.parametrize("N,D,block,stride,seq", [
