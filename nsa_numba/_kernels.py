@@ -52,7 +52,8 @@ CACHE_DEPENDS = {
 
 #: tokens per pass over D in compress_forward's common paths
 GROUP = 4
-#: token rows (N * D elements) shorter than this use compress_forward_rows
+#: token rows (N * D elements) shorter than this never use compress_forward (the kernel
+#: each problem gets: _dispatch.forward_kernel)
 GROUPED_MIN_ROW = 2048
 
 #: Numba dtypes of the storage whose rows ``_simd`` converts (compress_backward's
@@ -313,7 +314,8 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
 
 @jit_parallel
 def compress_forward_simd(x, wt, out, tiles, stride, D, scratch):
-    """``compress_forward_rows`` with the window sums in registers: faster on short rows.
+    """``compress_forward_rows`` with the window sums in registers: faster on short rows
+    and on rows of up to ``_dispatch.SIMD_ROW_BYTES``.
 
     Same arguments, same segments, same sums in the same order, so the same bits.
     Each segment of tokens is read in passes, one per head and per WIDTH elements of
