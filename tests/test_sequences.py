@@ -1,5 +1,7 @@
 """Variable-length sequence handling (TND): offsets, short sequences, tails, seq-len types."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,26 @@ def test_none_means_one_sequence(dtype):
     c = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=(0, 300))
     assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     assert np.array_equal(a.view(np.uint8), c.view(np.uint8))
+
+
+@pytest.mark.parametrize("values", [
+    [0, 128, 272], (0, 128, 272), [np.int32(0), 128, np.uint8(16)], [2 ** 63 - 1, -2 ** 63],
+    list(range(2048)), [],
+], ids=["list", "tuple", "numpy-ints", "int64-limits", "long", "empty"])
+def test_sequence_values_read_lists_and_tuples_exactly(values):
+    from nsa_numba import _seqlens
+    got, kind = _seqlens.sequence_values("op", values, 1, 0, {"actual_seq_len": "s"})
+    assert got.dtype == np.int64 and kind == 1
+    assert got.tolist() == [int(v) for v in values]
+
+
+@pytest.mark.parametrize("values, where", [
+    ([272, True], "s[1]"), ([0, 2 ** 63], "s[1]"), ([-2 ** 63 - 1], "s[0]"), ([1, 2.0], "s[1]"),
+])
+def test_sequence_values_name_the_value_they_reject(values, where):
+    from nsa_numba import _seqlens
+    with pytest.raises(nsa_numba.NsaError, match=re.escape(where)):
+        _seqlens.sequence_values("op", values, 0, 0, {"actual_seq_len": "s"})
 
 
 def test_uncovered_tail_gets_zero_gradient_and_is_never_read(dtype):
