@@ -17,6 +17,11 @@ CUMULATIVE = 0   # actual_seq_len holds the running ends of the sequences
 LENGTHS = 1      # actual_seq_len holds one length per sequence
 
 _INT64_MAX = np.iinfo(np.int64).max
+#: element types of a list or tuple that NumPy converts to int64 exactly or not at all
+#: (OverflowError): int and the NumPy integers of C's signed types and of its unsigned
+#: ones narrower than 8 bytes (not bool, which NumPy takes as 0 or 1; not uint64)
+_EXACT_INT_TYPES = {int} | {np.dtype(code).type for code in "bhilqpBHI"
+                            if np.dtype(code).kind == "i" or np.dtype(code).itemsize < 8}
 
 
 def _show(values, limit=8, width=200):
@@ -59,9 +64,10 @@ def _as_int_vector(op, name, values):
     if not isinstance(values, (list, tuple)):
         raise invalid(op, f"{name} must be None, a list, a tuple or a 1-D integer array, "
                           f"got {type(values).__name__}")
-    if set(map(type, values)) <= {int}:
-        # plain ints, the usual case, converted in one C loop: the checked loop below
-        # costs about half a microsecond per value (2048 sequences: 1 ms a call)
+    if set(map(type, values)) <= _EXACT_INT_TYPES:
+        # plain ints (the usual case) or NumPy integers that all fit in int64, converted
+        # in one C loop: the checked loop below costs about half a microsecond per
+        # value (2048 sequences: 1 ms a call)
         try:
             return np.array(values, dtype=np.int64)
         except OverflowError:

@@ -53,8 +53,8 @@ def test_none_means_one_sequence(dtype):
 
 @pytest.mark.parametrize("values", [
     [0, 128, 272], (0, 128, 272), [np.int32(0), 128, np.uint8(16)], [2 ** 63 - 1, -2 ** 63],
-    list(range(2048)), [],
-], ids=["list", "tuple", "numpy-ints", "int64-limits", "long", "empty"])
+    list(range(2048)), list(np.arange(0, 4096, 2)), [np.uint64(7), np.uint32(2 ** 32 - 1)], [],
+], ids=["list", "tuple", "numpy-ints", "int64-limits", "long", "long-numpy", "uint64", "empty"])
 def test_sequence_values_read_lists_and_tuples_exactly(values):
     from nsa_numba import _seqlens
     got, kind = _seqlens.sequence_values("op", values, 1, 0, {"actual_seq_len": "s"})
@@ -64,6 +64,7 @@ def test_sequence_values_read_lists_and_tuples_exactly(values):
 
 @pytest.mark.parametrize("values, where", [
     ([272, True], "s[1]"), ([0, 2 ** 63], "s[1]"), ([-2 ** 63 - 1], "s[0]"), ([1, 2.0], "s[1]"),
+    ([np.int64(5), True], "s[1]"), ([np.uint64(2 ** 64 - 1)], "s[0]"),
 ])
 def test_sequence_values_name_the_value_they_reject(values, where):
     from nsa_numba import _seqlens
