@@ -65,8 +65,8 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
     ``weight_grad[j, n] = sum_k dot(grad[k, n, :], input[start(k) + j, n, :])``.
 
     ``grad`` has the forward output's shape (``[T', N, D]`` for TND); the other
-    parameters are those of :func:`nsa_compress`, except that strict mode requires
-    ``l > d`` (the NPU's rule for this operator). ``input_grad`` (``input``'s shape)
+    parameters are those of :func:`nsa_compress` (strict mode requires ``l >= d``
+    here too: the NPU accepts ``l == d`` in its backward). ``input_grad`` (``input``'s shape)
     and ``weight_grad`` (``[l, N]``) may be given to be written in place; they must
     not share memory with the inputs or each other.
 

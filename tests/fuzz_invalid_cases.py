@@ -48,7 +48,7 @@ def valid_calls(draw):
     N = draw(st.integers(1, 3))
     D = 16 * draw(st.integers(1, 2))
     stride = 16
-    block = 16 * draw(st.integers(1 if op == "forward" else 2, 3))
+    block = 16 * draw(st.integers(1, 3))
     layout = draw(st.sampled_from(["TND", "BSND"]))
     if layout == "TND":
         lengths = draw(st.lists(st.integers(0, 4 * block), min_size=1, max_size=4))
@@ -183,10 +183,10 @@ def bad_block(draw, call):
 @st.composite
 def bad_stride(draw, call):
     """Not an integer, or one the strict rules reject: <= 0, not a multiple of 16, or
-    over l (forward) / not under l (grad)."""
+    over l."""
     if draw(st.booleans()):
         return draw(not_integers(call["stride"]))
-    limit = call["block"] if call["op"] == "forward" else call["block"] - 1
+    limit = call["block"]
 
     def rejected(v):
         return v <= 0 or v % 16 or v > limit

@@ -50,9 +50,20 @@ def test_window_overlaps(block, stride, dtype):
     x, w, g = random_problem(T, N, D, block, stride, seq, dtype, seed=block + stride)
     out = nsa_numba.nsa_compress(x, w, block, stride, actual_seq_len=seq)
     assert_forward_accurate(out, x, w, block, stride, seq)
-    if block > stride:
-        dx, dw = nsa_numba.nsa_compress_grad(g, x, w, block, stride, actual_seq_len=seq)
-        assert_grad_accurate(dx, dw, g, x, w, block, stride, seq)
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, block, stride, actual_seq_len=seq)
+    assert_grad_accurate(dx, dw, g, x, w, block, stride, seq)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_with_windows_that_do_not_overlap(block, dtype):
+    # l == d, as in MindSpore's NPU gradient tests (16/16 and 32/32): strict mode
+    # accepts it in the backward as the NPU does; every token is in one window or none
+    T, N, D = 4800, 4, 128
+    seq = list(range(0, T + 1, 100))
+    x, w, g = random_problem(T, N, D, block, block, seq, dtype, seed=block)
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, block, block, actual_seq_len=seq)
+    assert_grad_accurate(dx, dw, g, x, w, block, block, seq)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -37,7 +37,7 @@ def problems(draw):
     if strict:
         D = 16 * draw(st.integers(1, 3))
         stride = 16 * draw(st.integers(1, 2))
-        low = stride // 16 + (op == "grad")          # forward l >= d, grad l > d
+        low = stride // 16                           # l >= d, both operators
         block = 16 * draw(st.integers(low, 4))
     else:
         D = draw(st.integers(1, 40))
