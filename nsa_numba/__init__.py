@@ -10,8 +10,9 @@ from . import _threading
 _threading.configure()  # before anything can start Numba's thread pool
 
 from ._errors import NsaError  # noqa: E402
+from ._threading import threads  # noqa: E402
 from .api import nsa_compress, nsa_compress_grad  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["NsaError", "nsa_compress", "nsa_compress_grad", "__version__"]
+__all__ = ["NsaError", "nsa_compress", "nsa_compress_grad", "threads", "__version__"]

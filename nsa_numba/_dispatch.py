@@ -89,11 +89,12 @@ def run(plan, workspace=None):
     wt = _weight_table(plan)
     if plan.op == "forward":
         x, out = plan.storage("input", workspace), plan.storage("out")
-        _threading.launch(forward_kernel(plan, x, out), x, wt, out, plan.tiles, plan.stride,
-                          plan.D, scratch)
+        _threading.launch(forward_kernel(plan, x, out), plan.threads_useful, x, wt, out,
+                          plan.tiles, plan.stride, plan.D, scratch)
         return
     x, ig = plan.storage("input", workspace), plan.storage("input_grad")
-    _threading.launch(_kernels.compress_backward, plan.storage("grad", workspace), x, wt, ig,
+    _threading.launch(_kernels.compress_backward, plan.threads_useful,
+                      plan.storage("grad", workspace), x, wt, ig,
                       partials, plan.tiles, plan.stride, plan.D, scratch,
                       backward_vector(plan, x, ig))
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))

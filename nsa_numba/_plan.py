@@ -159,6 +159,14 @@ class Plan:
         return used + WORKSPACE_ALIGN - 1 if used else 0
 
     @property
+    def threads_useful(self):
+        """Most threads worth waking for this plan: one per tile, and no more than
+        one per TILE_ELEMENTS of input (many short sequences make many small
+        tiles; waking a thread costs about as much as reading 100 KiB)."""
+        work = -(-self.B * self.S * self.N * self.D // TILE_ELEMENTS)
+        return max(1, min(self.tiles.shape[0], work))
+
+    @property
     def accumulator(self):
         return ACCUMULATOR[kind_of(self.dtype)]
 

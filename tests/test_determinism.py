@@ -67,6 +67,34 @@ def test_same_bits_for_every_thread_count():
             assert got[name] == here[name], (name, threads)
 
 
+def test_threads_caps_the_calls_in_its_block(monkeypatch):
+    import numba
+
+    from nsa_numba import _threading
+    seen = []
+    real = _threading.call_with_threads
+
+    def recording(limit, fn, *args):
+        seen.append(numba.get_num_threads())
+        return real(limit, fn, *args)
+
+    monkeypatch.setattr(_threading, "call_with_threads", recording)
+    data = random_problem(**PROBLEM, dtype=DTYPES[0])
+    pool = numba.config.NUMBA_NUM_THREADS
+    before = numba.get_num_threads()
+    with nsa_numba.threads(1):
+        capped = _digests(*data)
+        with nsa_numba.threads(pool):
+            assert numba.get_num_threads() == pool
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == before
+    assert seen == [1, 1]                     # the forward and backward launches
+    assert capped == _digests(*data)
+    for bad in (0, -1, 1.0, True, "2"):
+        with pytest.raises(ValueError, match="threads: n must be an integer >= 1"):
+            nsa_numba.threads(bad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_repeated_calls_give_same_bits(dtype):
     data = random_problem(**PROBLEM, dtype=dtype)
