@@ -51,7 +51,7 @@ def as_int64(op, label, value):
     return value
 
 
-def _as_int_vector(op, name, values):
+def as_int_vector(op, name, values):
     """The list / tuple / 1-D integer array ``values`` as int64, or NsaError."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
@@ -82,7 +82,7 @@ def sequence_values(op, actual_seq_len, seq_len_type, total_tokens, names):
     ``total_tokens``."""
     if actual_seq_len is None:
         return np.array([total_tokens], np.int64), CUMULATIVE
-    return _as_int_vector(op, names["actual_seq_len"], actual_seq_len), seq_len_type
+    return as_int_vector(op, names["actual_seq_len"], actual_seq_len), seq_len_type
 
 
 def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
@@ -94,7 +94,7 @@ def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
     name, type_name = names["actual_seq_len"], names["actual_seq_len_type"]
     if actual_seq_len is None:
         return np.array([0, total_tokens], dtype=np.int64)
-    values = _as_int_vector(op, name, actual_seq_len)
+    values = as_int_vector(op, name, actual_seq_len)
     if values.size == 0:
         raise invalid(op, f"{name} must hold at least one value, got an empty list")
     if values.min() < 0:

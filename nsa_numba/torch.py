@@ -13,12 +13,21 @@ Same arguments and semantics as ``torch_npu.npu_nsa_compress`` (layout TND,
 ``actual_seq_len`` the cumulative sequence ends). CPU tensors of float16, bfloat16,
 float32 and float64, any strides. The operators are registered as
 ``torch.ops.nsa_numba.nsa_compress`` and ``torch.ops.nsa_numba.nsa_compress_grad``
-(``torch.library.custom_op``) with fake-tensor and autograd implementations, so
-they work under ``torch.compile`` and pass ``torch.library.opcheck``.
+(``torch.library.custom_op``) with fake-tensor and autograd implementations (the
+gradient operator's own autograd gives second derivatives), so they work under
+``torch.compile`` and pass ``torch.library.opcheck`` and ``gradgradcheck``.
+
+Sequence ends reach the operators as a 1-D int64 tensor, whatever the caller
+passed (list, tuple, NumPy array or tensor). The forward's row count T' depends
+on their values, so its fake implementation gives T' as a data-dependent size:
+one compiled graph serves every batch, whatever its sequence lengths. (Dynamo
+still guards on the length of a Python list; see the README for the counts.)
 
 Tensors cross to NumPy without copies (bfloat16 through an int16 view); results
-are the NumPy API's, bit for bit. Invalid arguments raise ``nsa_numba.NsaError``.
-Requires PyTorch 2.4 or newer.
+are the NumPy API's, bit for bit. A call uses at most ``torch.get_num_threads()``
+threads, so torchrun's per-rank ``OMP_NUM_THREADS`` holds for these kernels too.
+Invalid arguments raise ``nsa_numba.NsaError`` naming the torch_npu function and
+its arguments. Requires PyTorch 2.4 or newer.
 """
 
 from typing import List, Optional
@@ -26,13 +35,21 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import _seqlens, api
+from . import _dispatch, _seqlens, _threading
 from ._errors import invalid
-from ._plan import PY_NAMES
+from ._plan import Rules, plan_forward, plan_grad
 
 __all__ = ["npu_nsa_compress", "npu_nsa_compress_grad"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FORWARD = "npu_nsa_compress"
+_GRAD = "npu_nsa_compress_grad"
+#: the checks of the NumPy API, with torch_npu's function names (its argument names
+#: are the NumPy API's) and no layouts beyond TND
+_RULES = {op: Rules(op) for op in (_FORWARD, _GRAD)}
+_DTYPES = {torch.float16: None, torch.bfloat16: None, torch.float32: None,
+           torch.float64: None}
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_bfloat16 = None   # ml_dtypes.bfloat16, imported at the first bfloat16 tensor
 
 
 def _as_numpy(op, name, t):
@@ -46,8 +63,11 @@ def _as_numpy(op, name, t):
                           f"float64, got {t.dtype}")
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        global _bfloat16
+        if _bfloat16 is None:
+            import ml_dtypes
+            _bfloat16 = np.dtype(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(_bfloat16)
     return t.numpy()
 
 
@@ -58,104 +78,197 @@ def _as_tensor(a):
     return torch.from_numpy(a)
 
 
-def _empty_numpy(op, like, shape):
-    """A new tensor of ``like``'s dtype and its NumPy view."""
-    t = torch.empty(shape, dtype=like.dtype)
-    return t, _as_numpy(op, "out", t)
+def _seq_numpy(op, seq):
+    """The operator's sequence-ends tensor as NumPy integers, or None."""
+    if seq is None:
+        return None
+    if seq.device.type != "cpu":
+        raise invalid(op, f"actual_seq_len must be on the CPU, got device {seq.device}")
+    return seq.numpy()
 
 
-def _window_count(op, T, block, stride, actual_seq_len):
-    """T' for the output shape (the fake implementation needs it without data).
+def _run(plan):
+    """Run a plan on at most ``torch.get_num_threads()`` threads."""
+    _threading.call_with_threads(torch.get_num_threads(), _dispatch.run, plan)
 
-    NumPy rather than ``_seqlens.packed_tables``: under dynamic shapes T arrives as a
-    ``torch.SymInt``, which compiled code cannot take."""
-    offsets = _seqlens.sequence_offsets(op, actual_seq_len, _seqlens.CUMULATIVE, T,
-                                        PY_NAMES)
-    return int(_seqlens.window_counts(np.diff(offsets), block, stride).sum())
 
+# -- the operators -----------------------------------------------------------------
 
 @torch.library.custom_op("nsa_numba::nsa_compress", mutates_args=())
 def _nsa_compress(input: torch.Tensor, weight: torch.Tensor, compress_block_size: int,
-                  compress_stride: int, actual_seq_len: Optional[List[int]]) -> torch.Tensor:
-    op = "npu_nsa_compress"
-    x = _as_numpy(op, "input", input)
-    w = _as_numpy(op, "weight", weight)
-    return _as_tensor(api.nsa_compress(x, w, compress_block_size, compress_stride,
-                                       actual_seq_len=actual_seq_len))
+                  compress_stride: int, actual_seq_len: Optional[torch.Tensor]) -> torch.Tensor:
+    x = _as_numpy(_FORWARD, "input", input)
+    w = _as_numpy(_FORWARD, "weight", weight)
+    plan = plan_forward(_RULES[_FORWARD], x, w, compress_block_size, compress_stride,
+                        _seq_numpy(_FORWARD, actual_seq_len), 0, "TND", None)
+    _run(plan)
+    return _as_tensor(plan.arrays["out"])
+
+
+def _check_meta(op, *named):
+    """The checks a fake tensor allows (dtype, rank), with the real call's messages."""
+    for name, t, ndim in named:
+        if t.dtype not in _DTYPES:
+            raise invalid(op, f"{name} dtype must be one of float16, bfloat16, float32, "
+                              f"float64, got {t.dtype}")
+        if t.dtype != named[0][1].dtype:
+            raise invalid(op, f"{name} dtype must equal input dtype {named[0][1].dtype}, "
+                              f"got {t.dtype}")
+        if t.dim() != ndim:
+            raise invalid(op, f"{name} must be {ndim}-D, got {t.dim()}-D of shape "
+                              f"{tuple(t.shape)}")
 
 
 @_nsa_compress.register_fake
 def _nsa_compress_fake(input, weight, compress_block_size, compress_stride, actual_seq_len):
-    windows = _window_count("npu_nsa_compress", input.shape[0], compress_block_size,
-                            compress_stride, actual_seq_len)
+    _check_meta(_FORWARD, ("input", input, 3), ("weight", weight, 2))
+    if actual_seq_len is None:      # one sequence: T' follows from T
+        windows = (input.shape[0] - compress_block_size) // compress_stride + 1
+        windows = torch.sym_max(windows, 0)
+    else:                           # T' depends on the values: a data-dependent size
+        windows = torch.library.get_ctx().new_dynamic_size()
     return input.new_empty((windows, input.shape[1], input.shape[2]))
 
 
 @torch.library.custom_op("nsa_numba::nsa_compress_grad", mutates_args=())
 def _nsa_compress_grad(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
                        compress_block_size: int, compress_stride: int,
-                       actual_seq_len: Optional[List[int]]) -> List[torch.Tensor]:
-    op = "npu_nsa_compress_grad"
-    g = _as_numpy(op, "grad", grad)
-    x = _as_numpy(op, "input", input)
-    w = _as_numpy(op, "weight", weight)
-    input_grad, x_grad = _empty_numpy(op, input, input.shape)
-    weight_grad, w_grad = _empty_numpy(op, weight, weight.shape)
-    api.nsa_compress_grad(g, x, w, compress_block_size, compress_stride,
-                          actual_seq_len=actual_seq_len, input_grad=x_grad, weight_grad=w_grad)
-    return [input_grad, weight_grad]
+                       actual_seq_len: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    g = _as_numpy(_GRAD, "grad", grad)
+    x = _as_numpy(_GRAD, "input", input)
+    w = _as_numpy(_GRAD, "weight", weight)
+    plan = plan_grad(_RULES[_GRAD], g, x, w, compress_block_size, compress_stride,
+                     _seq_numpy(_GRAD, actual_seq_len), 0, "TND", None, None)
+    _run(plan)
+    return [_as_tensor(plan.arrays["input_grad"]), _as_tensor(plan.arrays["weight_grad"])]
 
 
 @_nsa_compress_grad.register_fake
 def _nsa_compress_grad_fake(grad, input, weight, compress_block_size, compress_stride,
                             actual_seq_len):
+    _check_meta(_GRAD, ("input", input, 3), ("weight", weight, 2), ("grad", grad, 3))
     return [torch.empty_like(input, memory_format=torch.contiguous_format),
             torch.empty_like(weight, memory_format=torch.contiguous_format)]
 
 
-def _setup_context(ctx, inputs, output):
-    input, weight, block, stride, actual_seq_len = inputs
-    ctx.save_for_backward(input, weight)
-    ctx.window = (block, stride, actual_seq_len)
+# -- autograd ------------------------------------------------------------------------
+# The operator is linear in the input and in the weight, and its gradient operator
+# is linear in each argument too, so every derivative is again one of the two.
+
+def _compress_setup(ctx, inputs, output):
+    input, weight, block, stride, seq = inputs
+    ctx.save_for_backward(input, weight, seq)
+    ctx.window = (block, stride)
 
 
-def _backward(ctx, grad):
-    input, weight = ctx.saved_tensors
-    block, stride, actual_seq_len = ctx.window
+def _compress_backward(ctx, grad):
+    input, weight, seq = ctx.saved_tensors
+    need_input, need_weight = ctx.needs_input_grad[:2]
+    if not (need_input or need_weight):
+        return None, None, None, None, None
     input_grad, weight_grad = torch.ops.nsa_numba.nsa_compress_grad(
-        grad, input, weight, block, stride, actual_seq_len)
-    return (input_grad if ctx.needs_input_grad[0] else None,
-            weight_grad if ctx.needs_input_grad[1] else None, None, None, None)
+        grad, input, weight, *ctx.window, seq)
+    return (input_grad if need_input else None, weight_grad if need_weight else None,
+            None, None, None)
 
 
-_nsa_compress.register_autograd(_backward, setup_context=_setup_context)
+def _grad_setup(ctx, inputs, output):
+    grad, input, weight, block, stride, seq = inputs
+    ctx.save_for_backward(grad, input, weight, seq)
+    ctx.window = (block, stride)
 
 
-def _seq_list(actual_seq_len):
-    """``actual_seq_len`` as a list of Python ints (the operator schema's int[])."""
-    if actual_seq_len is None:
-        return None
-    if isinstance(actual_seq_len, torch.Tensor):
-        actual_seq_len = actual_seq_len.tolist()
-    if isinstance(actual_seq_len, np.ndarray):
-        actual_seq_len = actual_seq_len.tolist()
-    return list(actual_seq_len)
+def _grad_backward(ctx, cotangents):
+    """Derivatives of ``(input_grad, weight_grad)`` with cotangents ``(a, b)``:
+
+    * input_grad = A(weight)^T grad, so ``a`` reaches grad as compress(a, weight)
+      and weight as the weight gradient of compress at input ``a``;
+    * weight_grad is bilinear in grad and input: ``b`` reaches grad as
+      compress(input, b) and input as the input gradient of compress with weight b.
+    """
+    a, b = cotangents
+    grad, input, weight, seq = ctx.saved_tensors
+    block, stride = ctx.window
+    need_grad, need_input, need_weight = ctx.needs_input_grad[:3]
+    ops = torch.ops.nsa_numba
+    d_grad = d_input = d_weight = None
+    if a is not None:
+        if need_grad:
+            d_grad = ops.nsa_compress(a, weight, block, stride, seq)
+        if need_weight:
+            d_weight = ops.nsa_compress_grad(grad, a, weight, block, stride, seq)[1]
+    if b is not None:
+        if need_grad:
+            term = ops.nsa_compress(input, b, block, stride, seq)
+            d_grad = term if d_grad is None else d_grad + term
+        if need_input:
+            d_input = ops.nsa_compress_grad(grad, input, b, block, stride, seq)[0]
+    return d_grad, d_input, d_weight, None, None, None
+
+
+_nsa_compress.register_autograd(_compress_backward, setup_context=_compress_setup)
+_nsa_compress_grad.register_autograd(_grad_backward, setup_context=_grad_setup)
+
+
+# -- torch_npu's functions -------------------------------------------------------------
+
+def _check_int(op, name, value):
+    """``value`` as an int, or NsaError; a SymInt (under torch.compile) as it is."""
+    if isinstance(value, torch.SymInt):
+        return value
+    return _seqlens.as_int64(op, name, value)
+
+
+def _seq_tensor(op, actual_seq_len):
+    """``actual_seq_len`` (None, list, tuple, 1-D integer array or tensor) as the 1-D
+    int64 CPU tensor the operators take, or None; NsaError for anything else."""
+    if actual_seq_len is None or isinstance(actual_seq_len, torch.Tensor):
+        seq = actual_seq_len
+        if seq is not None:
+            if seq.dim() != 1:
+                raise invalid(op, f"actual_seq_len must be 1-D, got a tensor of shape "
+                                  f"{tuple(seq.shape)}")
+            if seq.dtype not in _INT_DTYPES:
+                raise invalid(op, f"actual_seq_len must hold integers, got dtype "
+                                  f"{seq.dtype}")
+            if seq.dtype != torch.int64:
+                seq = seq.to(torch.int64)
+        return seq
+    if torch.compiler.is_compiling():
+        # inside a traced region the values may be SymInts: build the tensor in the
+        # graph (the kernels check the values when they run)
+        if not isinstance(actual_seq_len, (list, tuple)):
+            raise invalid(op, f"actual_seq_len must be None, a list, a tuple, a 1-D "
+                              f"integer array or a tensor, got "
+                              f"{type(actual_seq_len).__name__}")
+        for i, v in enumerate(actual_seq_len):
+            if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+                raise invalid(op, f"actual_seq_len[{i}] must be an integer, got {v!r} "
+                                  f"({type(v).__name__})")
+        return torch.tensor(actual_seq_len, dtype=torch.int64)
+    values = _seqlens.as_int_vector(op, "actual_seq_len", actual_seq_len)
+    return torch.from_numpy(values)
 
 
 def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
                      actual_seq_len=None):
     """torch_npu.npu_nsa_compress on the CPU: ``[T', N, D]``, differentiable.
 
-    ``actual_seq_len``: cumulative sequence ends (list, tuple, 1-D array or tensor),
-    or None for one sequence.
+    ``actual_seq_len``: cumulative sequence ends (list, tuple, 1-D integer array or
+    tensor), or None for one sequence.
     """
-    return torch.ops.nsa_numba.nsa_compress(input, weight, compress_block_size,
-                                            compress_stride, _seq_list(actual_seq_len))
+    op = _FORWARD
+    return torch.ops.nsa_numba.nsa_compress(
+        input, weight, _check_int(op, "compress_block_size", compress_block_size),
+        _check_int(op, "compress_stride", compress_stride), _seq_tensor(op, actual_seq_len))
 
 
 def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
                           actual_seq_len=None):
-    """torch_npu.npu_nsa_compress_grad on the CPU: ``(input_grad, weight_grad)``."""
+    """torch_npu.npu_nsa_compress_grad on the CPU: ``(input_grad, weight_grad)``,
+    itself differentiable (second derivatives)."""
+    op = _GRAD
     input_grad, weight_grad = torch.ops.nsa_numba.nsa_compress_grad(
-        grad, input, weight, compress_block_size, compress_stride, _seq_list(actual_seq_len))
+        grad, input, weight, _check_int(op, "compress_block_size", compress_block_size),
+        _check_int(op, "compress_stride", compress_stride), _seq_tensor(op, actual_seq_len))
     return input_grad, weight_grad

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import nsa_numba
+from conftest import assert_grad_accurate
 from nsa_numba import NsaError
 
 if os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
@@ -85,60 +86,192 @@ def test_gradcheck_float64():
         lambda a, b: npu_nsa_compress(a, b, 32, 16, actual_seq_len=[0, 50, 96]), (x, w))
 
 
+def test_gradgradcheck_float64():
+    # second derivatives: the gradient operator has autograd of its own
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(80, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(32, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    for seq in ([0, 50, 80], torch.tensor([0, 50, 80]), None):
+        assert torch.autograd.gradgradcheck(
+            lambda a, b, seq=seq: npu_nsa_compress(a, b, 32, 16, actual_seq_len=seq), (x, w))
+    g = torch.randn(2, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda gg, a, b: npu_nsa_compress_grad(gg, a, b, 32, 16, actual_seq_len=[0, 50, 80]),
+        (g, x, w))
+
+
 def test_opcheck_both_operators():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(96, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.randn(32, 2, dtype=torch.float64, generator=gen, requires_grad=True)
     g = torch.randn(3, 2, 16, dtype=torch.float64, generator=gen)
-    for op, args in ((torch.ops.nsa_numba.nsa_compress.default, (x, w, 32, 16, [0, 50, 96])),
+    seq = torch.tensor([0, 50, 96])
+    for op, args in ((torch.ops.nsa_numba.nsa_compress.default, (x, w, 32, 16, seq)),
+                     (torch.ops.nsa_numba.nsa_compress.default, (x, w, 32, 16, None)),
                      (torch.ops.nsa_numba.nsa_compress_grad.default,
-                      (g, x.detach(), w.detach(), 32, 16, [0, 50, 96]))):
+                      (g, x, w, 32, 16, seq))):
         result = torch.library.opcheck(op, args)
         assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.parametrize("block", [16, 32])
+def test_autograd_with_block_equal_to_stride(block):
+    # the NPU's backward accepts l == d (MindSpore trains with 16/16 and 32/32)
+    x, w, _ = tensors(torch.float32, seed=9)
+    w = w[:block].clone()
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y = npu_nsa_compress(x, w, block, block, actual_seq_len=SEQ)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(10))
+    y.backward(g)
+    assert_grad_accurate(x.grad.numpy(), w.grad.numpy(), g.numpy(), x.detach().numpy(),
+                         w.detach().numpy(), block, block, SEQ)
+
+
+def test_calls_use_at_most_torchs_thread_count(monkeypatch):
+    import numba
+
+    from nsa_numba import _dispatch
+    seen = []
+    real_run = _dispatch.run
+
+    def recording_run(plan, workspace=None):
+        seen.append(numba.get_num_threads())
+        return real_run(plan, workspace)
+
+    monkeypatch.setattr(_dispatch, "run", recording_run)
+    x, w, g = tensors(torch.bfloat16, seed=11)
+    before = torch.get_num_threads()
+    pool = numba.config.NUMBA_NUM_THREADS
+    results = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results[n] = (npu_nsa_compress(x, w, 32, 16, actual_seq_len=SEQ),
+                          *npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=SEQ))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, min(2, pool), min(2, pool)]
+    assert numba.get_num_threads() == pool          # restored after each call
+    for a, b in zip(results[1], results[2]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 class Compressor(torch.nn.Module):
-    def __init__(self):
+    """A trainable compression of packed keys: the operator with a learned weight.
+    The loss is linear in its output, so every gradient is the operator's own."""
+
+    def __init__(self, heads=4, block=32, stride=16):
         super().__init__()
         gen = torch.Generator().manual_seed(5)
-        self.w = torch.nn.Parameter(torch.randn(32, 4, generator=gen))
-        self.proj = torch.nn.Linear(32, 32)
+        self.block, self.stride = block, stride
+        self.w = torch.nn.Parameter(torch.randn(block, heads, generator=gen) / block)
 
-    def forward(self, x):
-        k = npu_nsa_compress(self.proj(x), self.w, 32, 16, actual_seq_len=SEQ)
-        return (k * k).sum()
+    def forward(self, x, seq, target):
+        k = npu_nsa_compress(x, self.w, self.block, self.stride, actual_seq_len=seq)
+        return (k * target).sum()
+
+
+def batches(count, kind, seed=12, heads=4, dim=32, block=32, stride=16):
+    """``count`` packed batches (x, seq, target), each with its own number of
+    sequences and lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        lengths = rng.integers(16, 120, size=int(rng.integers(2, 5)))
+        lengths[0] = max(lengths[0], block)              # at least one window
+        ends = np.cumsum(lengths).tolist()
+        windows = sum((n - block) // stride + 1 for n in lengths if n >= block)
+        x = torch.from_numpy(rng.standard_normal((ends[-1], heads, dim)).astype(np.float32))
+        target = torch.from_numpy(rng.standard_normal((windows, heads, dim)).astype(np.float32))
+        seq = {"list": ends, "tuple": tuple(ends), "tensor": torch.tensor(ends)}[kind]
+        out.append((x, seq, target))
+    return out
+
+
+def counting_backend(name, graphs):
+    """A torch.compile backend: ``name``'s, recording each graph it compiles."""
+    from torch._dynamo.backends.registry import lookup_backend
+    real = lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return real(gm, example_inputs)
+    return backend
+
+
+def train(model, data, step):
+    """Each step's gradients (input, then parameters; AdamW updates between steps)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    grads = []
+    for x, seq, target in data:
+        opt.zero_grad()
+        x = x.clone().requires_grad_(True)
+        step(x, seq, target).backward()
+        grads.append([x.grad] + [p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
 
 
 # torch's inductor itself uses torch.jit.script_method, which warns in torch 2.13
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+@pytest.mark.parametrize("kind", ["list", "tuple", "tensor"])
 @pytest.mark.parametrize("backend", [
     "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_torch_compile_full_graph(backend):
+def test_torch_compile_training_with_changing_sequences(backend, kind, dynamic):
+    data = batches(6, kind)
+    eager = Compressor()
+    want = train(eager, data, eager)
     torch._dynamo.reset()
+    graphs = []
     model = Compressor()
-    x = torch.randn(272, 4, 32, generator=torch.Generator().manual_seed(6))
-    expected = model(x)
-    expected.backward()
-    expected_grad = model.w.grad.clone()
-    model.zero_grad()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    got = compiled(x)
-    got.backward()
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(model.w.grad, expected_grad)
+    compiled = torch.compile(model, backend=counting_backend(backend, graphs),
+                             fullgraph=True, dynamic=dynamic)
+    got = train(model, data, compiled)
+    for step, (a, b) in enumerate(zip(want, got)):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), f"gradients differ at step {step}"
+    # A tensor's values and length never reach a guard once its shape is dynamic:
+    # one graph (dynamic=True), or a static first graph and a dynamic one. A Python
+    # list's length always does (Dynamo specialises on it): one graph per sequence
+    # count, plus (default) the static first graph and at most one more while
+    # Dynamo learns which sizes and values change.
+    counts = len({len(seq) for _, seq, _ in data})
+    if kind == "tensor":
+        assert len(graphs) == (1 if dynamic else 2)
+    elif dynamic:
+        assert len(graphs) == counts
+    else:
+        assert counts + 1 <= len(graphs) <= counts + 2, (len(graphs), counts)
 
 
-def test_errors_are_nsa_errors():
+def test_errors_name_the_torch_npu_functions():
     x, w, g = tensors(torch.float16)
-    with pytest.raises(NsaError, match="compress_block_size must be a positive multiple"):
+    with pytest.raises(NsaError, match="^npu_nsa_compress: compress_block_size must be a "
+                                       "positive multiple of 16, got 20"):
         npu_nsa_compress(x, w, 20, 16)
     with pytest.raises(NsaError, match="dtype must be one of .* got torch.int32") as info:
         npu_nsa_compress(x.to(torch.int32), w, 32, 16)
     assert info.value.status == 161002
-    with pytest.raises(NsaError, match="must end at T = 272"):
+    with pytest.raises(NsaError, match="^npu_nsa_compress: actual_seq_len .* must end at "
+                                       "T = 272"):
         npu_nsa_compress(x, w, 32, 16, actual_seq_len=[0, 100])
-    with pytest.raises(NsaError, match="compress_block_size must be > compress_stride"):
-        npu_nsa_compress_grad(g, x, w, 32, 32, actual_seq_len=SEQ)
+    with pytest.raises(NsaError, match=r"^npu_nsa_compress: actual_seq_len\[1\] must be an "
+                                       "integer, got 100.0"):
+        npu_nsa_compress(x, w, 32, 16, actual_seq_len=[0, 100.0, 272])
+    with pytest.raises(NsaError, match="^npu_nsa_compress: actual_seq_len must hold "
+                                       "integers, got dtype torch.float32"):
+        npu_nsa_compress(x, w, 32, 16, actual_seq_len=torch.tensor([0.0, 272.0]))
+    with pytest.raises(NsaError, match="^npu_nsa_compress_grad: compress_block_size must be "
+                                       ">= compress_stride, got compress_block_size=32 and "
+                                       "compress_stride=48"):
+        npu_nsa_compress_grad(g, x, w, 32, 48, actual_seq_len=SEQ)
+    with pytest.raises(NsaError, match="^npu_nsa_compress_grad: grad must have shape"):
+        npu_nsa_compress_grad(g[1:], x, w, 32, 16, actual_seq_len=SEQ)
+    with pytest.raises(NsaError, match="^npu_nsa_compress: compress_stride must be an "
+                                       "integer, got 16.0"):
+        npu_nsa_compress(x, w, 32, 16.0)
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
