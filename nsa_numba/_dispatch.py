@@ -77,23 +77,25 @@ def new_workspace(plan):
     return np.empty(plan.workspace_bytes, dtype=np.uint8)
 
 
-def run(plan, workspace=None):
+def run(plan, workspace=None, threads=None):
     """Compute the plan's outputs.
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
-    ``plan.workspace_bytes`` (allocated here when None).
+    ``plan.workspace_bytes`` (allocated here when None). ``threads``: at most this
+    many threads (None: Numba's count for the calling thread).
     """
+    useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
     if workspace is None:
         workspace = new_workspace(plan)
     partials, scratch = carve(plan, workspace)
     wt = _weight_table(plan)
     if plan.op == "forward":
         x, out = plan.storage("input", workspace), plan.storage("out")
-        _threading.launch(forward_kernel(plan, x, out), plan.threads_useful, x, wt, out,
+        _threading.launch(forward_kernel(plan, x, out), useful, x, wt, out,
                           plan.tiles, plan.stride, plan.D, scratch)
         return
     x, ig = plan.storage("input", workspace), plan.storage("input_grad")
-    _threading.launch(_kernels.compress_backward, plan.threads_useful,
+    _threading.launch(_kernels.compress_backward, useful,
                       plan.storage("grad", workspace), x, wt, ig,
                       partials, plan.tiles, plan.stride, plan.D, scratch,
                       backward_vector(plan, x, ig))

@@ -264,6 +264,84 @@ def parse_shape(text):
     return parts
 
 
+#: the tiny problem of ``--overhead``: (T, N, D, l, d)
+OVERHEAD_SHAPE = (64, 1, 16, 16, 16)
+_empty_op = None
+
+
+def _empty_custom_op():
+    """A registered custom op with autograd that does no work (the floor of any
+    ``torch.library.custom_op`` call), registered once."""
+    global _empty_op
+    if _empty_op is None:
+        from typing import Optional
+
+        import torch
+
+        @torch.library.custom_op("nsa_numba_bench::empty", mutates_args=())
+        def empty(input: torch.Tensor, weight: torch.Tensor, compress_block_size: int,
+                  compress_stride: int, actual_seq_len: Optional[torch.Tensor]) -> torch.Tensor:
+            return input.new_empty((0,))
+
+        empty.register_fake(lambda input, *args: input.new_empty((0,)))
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0], inputs[1])
+
+        empty.register_autograd(lambda ctx, grad: (None,) * 5, setup_context=setup)
+        _empty_op = torch.ops.nsa_numba_bench.empty
+    return _empty_op
+
+
+def overhead(repeat, calls=2000):
+    """Microseconds per call on OVERHEAD_SHAPE (float32, inputs that require grad) of
+    the empty custom op, the NumPy API and the torch function, forward and backward:
+    medians over ``repeat`` rounds of the best of three runs of ``calls`` calls, the
+    functions timed in turn within each round."""
+    import timeit
+
+    import torch
+
+    from . import torch as bridge
+    T, N, D, l, d = OVERHEAD_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, N, D, generator=gen, requires_grad=True)
+    w = torch.randn(l, N, generator=gen, requires_grad=True)
+    g = torch.randn((T - l) // d + 1, N, D, generator=gen)
+    xn, wn, gn = x.detach().numpy(), w.detach().numpy(), g.numpy()
+    empty = _empty_custom_op()
+    fns = {
+        "empty custom op": lambda: empty(x, w, l, d, None),
+        "forward, NumPy": lambda: api.nsa_compress(xn, wn, l, d),
+        "forward, torch": lambda: bridge.npu_nsa_compress(x, w, l, d),
+        "backward, NumPy": lambda: api.nsa_compress_grad(gn, xn, wn, l, d),
+        "backward, torch": lambda: bridge.npu_nsa_compress_grad(g, x, w, l, d),
+    }
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            best = min(timeit.repeat(fn, number=calls, repeat=3))
+            times[name].append(best / calls * 1e6)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def format_overhead(us):
+    """The ``--overhead`` table: each call, and what the torch function adds to the
+    NumPy call beyond the empty custom op."""
+    empty = us["empty custom op"]
+    lines = [f"{'call':<22}{'us':>8}   (T, N, D, l, d) = {OVERHEAD_SHAPE}, float32",
+             f"{'empty custom op':<22}{empty:>8.1f}"]
+    for op in ("forward", "backward"):
+        numpy_us, torch_us = us[f"{op}, NumPy"], us[f"{op}, torch"]
+        lines.append(f"{op + ', NumPy':<22}{numpy_us:>8.1f}")
+        lines.append(f"{op + ', torch':<22}{torch_us:>8.1f}   torch - NumPy = "
+                     f"{torch_us - numpy_us:.1f} us, {torch_us - numpy_us - empty:+.1f} us "
+                     f"beyond the empty custom op")
+    return "\n".join(lines)
+
+
 def main(args):
     if args.threads is not None:
         if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
@@ -273,6 +351,8 @@ def main(args):
             return 2
         numba.set_num_threads(args.threads)
     threads = numba.get_num_threads()
+    if args.overhead:
+        return main_overhead(args, threads)
     use_torch = not args.no_torch
     if use_torch:
         try:
@@ -310,6 +390,23 @@ def main(args):
     return 0
 
 
+def main_overhead(args, threads):
+    try:
+        import torch
+    except ImportError:
+        print("--overhead needs torch", file=sys.stderr)
+        return 2
+    torch.set_num_threads(threads)
+    us = overhead(args.repeat)
+    print(f"nsa_numba bench --overhead: {threads} thread(s); medians of {args.repeat} rounds")
+    print(format_overhead(us))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=threads, overhead_us=us, shape=OVERHEAD_SHAPE,
+                           repeat=args.repeat), f, indent=2)
+    return 0
+
+
 def add_arguments(parser):
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="T,N,D,l,d,seqs",
                         help="a problem to run (repeatable); default: the three reference "
@@ -328,4 +425,8 @@ def add_arguments(parser):
                              "caches in the same rounds, and print its GB/s: the ceiling "
                              "of a kernel that mostly reads")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: the per-call time of the torch functions on a tiny "
+                             "problem against the NumPy API and an empty custom op "
+                             "(needs torch)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -35,7 +35,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import _dispatch, _seqlens, _threading
+from . import _dispatch, _seqlens
 from ._errors import invalid
 from ._plan import Rules, plan_forward, plan_grad
 
@@ -73,7 +73,7 @@ def _as_numpy(op, name, t):
 
 def _as_tensor(a):
     """A tensor over NumPy array ``a`` (no copy)."""
-    if a.dtype.name == "bfloat16":
+    if a.dtype.kind == "V":           # bfloat16, the one such dtype the operators take
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
@@ -89,20 +89,36 @@ def _seq_numpy(op, seq):
 
 def _run(plan):
     """Run a plan on at most ``torch.get_num_threads()`` threads."""
-    _threading.call_with_threads(torch.get_num_threads(), _dispatch.run, plan)
+    _dispatch.run(plan, threads=torch.get_num_threads())
 
 
 # -- the operators -----------------------------------------------------------------
 
+def _compress_impl(input, weight, block, stride, seq):
+    """The forward on tensors: plan, run, the output as a tensor."""
+    x = _as_numpy(_FORWARD, "input", input)
+    w = _as_numpy(_FORWARD, "weight", weight)
+    plan = plan_forward(_RULES[_FORWARD], x, w, block, stride, _seq_numpy(_FORWARD, seq), 0,
+                        "TND", None)
+    _run(plan)
+    return _as_tensor(plan.arrays["out"])
+
+
+def _compress_grad_impl(grad, input, weight, block, stride, seq):
+    """The backward on tensors: ``[input_grad, weight_grad]``."""
+    g = _as_numpy(_GRAD, "grad", grad)
+    x = _as_numpy(_GRAD, "input", input)
+    w = _as_numpy(_GRAD, "weight", weight)
+    plan = plan_grad(_RULES[_GRAD], g, x, w, block, stride, _seq_numpy(_GRAD, seq), 0, "TND",
+                     None, None)
+    _run(plan)
+    return [_as_tensor(plan.arrays["input_grad"]), _as_tensor(plan.arrays["weight_grad"])]
+
+
 @torch.library.custom_op("nsa_numba::nsa_compress", mutates_args=())
 def _nsa_compress(input: torch.Tensor, weight: torch.Tensor, compress_block_size: int,
                   compress_stride: int, actual_seq_len: Optional[torch.Tensor]) -> torch.Tensor:
-    x = _as_numpy(_FORWARD, "input", input)
-    w = _as_numpy(_FORWARD, "weight", weight)
-    plan = plan_forward(_RULES[_FORWARD], x, w, compress_block_size, compress_stride,
-                        _seq_numpy(_FORWARD, actual_seq_len), 0, "TND", None)
-    _run(plan)
-    return _as_tensor(plan.arrays["out"])
+    return _compress_impl(input, weight, compress_block_size, compress_stride, actual_seq_len)
 
 
 def _check_meta(op, *named):
@@ -134,13 +150,8 @@ def _nsa_compress_fake(input, weight, compress_block_size, compress_stride, actu
 def _nsa_compress_grad(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
                        compress_block_size: int, compress_stride: int,
                        actual_seq_len: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    g = _as_numpy(_GRAD, "grad", grad)
-    x = _as_numpy(_GRAD, "input", input)
-    w = _as_numpy(_GRAD, "weight", weight)
-    plan = plan_grad(_RULES[_GRAD], g, x, w, compress_block_size, compress_stride,
-                     _seq_numpy(_GRAD, actual_seq_len), 0, "TND", None, None)
-    _run(plan)
-    return [_as_tensor(plan.arrays["input_grad"]), _as_tensor(plan.arrays["weight_grad"])]
+    return _compress_grad_impl(grad, input, weight, compress_block_size, compress_stride,
+                               actual_seq_len)
 
 
 @_nsa_compress_grad.register_fake
@@ -155,21 +166,46 @@ def _nsa_compress_grad_fake(grad, input, weight, compress_block_size, compress_s
 # The operator is linear in the input and in the weight, and its gradient operator
 # is linear in each argument too, so every derivative is again one of the two.
 
-def _compress_setup(ctx, inputs, output):
-    input, weight, block, stride, seq = inputs
-    ctx.save_for_backward(input, weight, seq)
-    ctx.window = (block, stride)
-
-
 def _compress_backward(ctx, grad):
     input, weight, seq = ctx.saved_tensors
     need_input, need_weight = ctx.needs_input_grad[:2]
     if not (need_input or need_weight):
         return None, None, None, None, None
-    input_grad, weight_grad = torch.ops.nsa_numba.nsa_compress_grad(
-        grad, input, weight, *ctx.window, seq)
+    input_grad, weight_grad = _compress_grad(grad, input, weight, *ctx.window, seq)
     return (input_grad if need_input else None, weight_grad if need_weight else None,
             None, None, None)
+
+
+def _grad_backward(ctx, a, b):
+    """Derivatives of ``(input_grad, weight_grad)`` with cotangents ``(a, b)``:
+
+    * input_grad = A(weight)^T grad, so ``a`` reaches grad as compress(a, weight)
+      and weight as the weight gradient of compress at input ``a``;
+    * weight_grad is bilinear in grad and input: ``b`` reaches grad as
+      compress(input, b) and input as the input gradient of compress with weight b.
+    """
+    grad, input, weight, seq = ctx.saved_tensors
+    block, stride = ctx.window
+    need_grad, need_input, need_weight = ctx.needs_input_grad[:3]
+    d_grad = d_input = d_weight = None
+    if a is not None:
+        if need_grad:
+            d_grad = _compress(a, weight, block, stride, seq)
+        if need_weight:
+            d_weight = _compress_grad(grad, a, weight, block, stride, seq)[1]
+    if b is not None:
+        if need_grad:
+            term = _compress(input, b, block, stride, seq)
+            d_grad = term if d_grad is None else d_grad + term
+        if need_input:
+            d_input = _compress_grad(grad, input, b, block, stride, seq)[0]
+    return d_grad, d_input, d_weight, None, None, None
+
+
+def _compress_setup(ctx, inputs, output):
+    input, weight, block, stride, seq = inputs
+    ctx.save_for_backward(input, weight, seq)
+    ctx.window = (block, stride)
 
 
 def _grad_setup(ctx, inputs, output):
@@ -178,36 +214,69 @@ def _grad_setup(ctx, inputs, output):
     ctx.window = (block, stride)
 
 
-def _grad_backward(ctx, cotangents):
-    """Derivatives of ``(input_grad, weight_grad)`` with cotangents ``(a, b)``:
-
-    * input_grad = A(weight)^T grad, so ``a`` reaches grad as compress(a, weight)
-      and weight as the weight gradient of compress at input ``a``;
-    * weight_grad is bilinear in grad and input: ``b`` reaches grad as
-      compress(input, b) and input as the input gradient of compress with weight b.
-    """
-    a, b = cotangents
-    grad, input, weight, seq = ctx.saved_tensors
-    block, stride = ctx.window
-    need_grad, need_input, need_weight = ctx.needs_input_grad[:3]
-    ops = torch.ops.nsa_numba
-    d_grad = d_input = d_weight = None
-    if a is not None:
-        if need_grad:
-            d_grad = ops.nsa_compress(a, weight, block, stride, seq)
-        if need_weight:
-            d_weight = ops.nsa_compress_grad(grad, a, weight, block, stride, seq)[1]
-    if b is not None:
-        if need_grad:
-            term = ops.nsa_compress(input, b, block, stride, seq)
-            d_grad = term if d_grad is None else d_grad + term
-        if need_input:
-            d_input = ops.nsa_compress_grad(grad, input, b, block, stride, seq)[0]
-    return d_grad, d_input, d_weight, None, None, None
-
-
 _nsa_compress.register_autograd(_compress_backward, setup_context=_compress_setup)
-_nsa_compress_grad.register_autograd(_grad_backward, setup_context=_grad_setup)
+_nsa_compress_grad.register_autograd(lambda ctx, grads: _grad_backward(ctx, *grads),
+                                     setup_context=_grad_setup)
+
+
+# (forward takes ctx itself: with a separate setup_context, Function.apply binds the
+# arguments through inspect.signature, which cost about 30 us a call)
+class _CompressFunction(torch.autograd.Function):
+    """The eager path of ``nsa_compress``: same implementation and derivatives as
+    the registered operator, without the dispatcher's round trip."""
+
+    @staticmethod
+    def forward(ctx, input, weight, block, stride, seq):
+        _compress_setup(ctx, (input, weight, block, stride, seq), None)
+        return _compress_impl(input, weight, block, stride, seq)
+
+    backward = staticmethod(_compress_backward)
+
+
+class _CompressGradFunction(torch.autograd.Function):
+    """The eager path of ``nsa_compress_grad``."""
+
+    @staticmethod
+    def forward(ctx, grad, input, weight, block, stride, seq):
+        _grad_setup(ctx, (grad, input, weight, block, stride, seq), None)
+        return tuple(_compress_grad_impl(grad, input, weight, block, stride, seq))
+
+    backward = staticmethod(_grad_backward)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_transforms = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def _eager(*tensors):
+    """Whether a call may skip the dispatcher: plain tensors, and nothing tracing,
+    transforming or intercepting operators (torch.compile, fake tensors, dispatch
+    and function modes, vmap...), which all need the registered operator.
+
+    The registered operators cost about 20 us of dispatch per call; a call on
+    small tensors costs about as much again, so eager code takes this path
+    (measured with ``python -m nsa_numba bench --overhead``).
+    """
+    if (torch.compiler.is_compiling() or _dispatch_stack is None or _dispatch_stack()
+            or _function_modes is None or _function_modes()
+            or _transforms is None or _transforms() is not None):
+        return False
+    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+
+
+def _compress(input, weight, block, stride, seq):
+    if _eager(input, weight, seq):
+        return _CompressFunction.apply(input, weight, block, stride, seq)
+    return torch.ops.nsa_numba.nsa_compress(input, weight, block, stride, seq)
+
+
+def _compress_grad(grad, input, weight, block, stride, seq):
+    if _eager(grad, input, weight, seq):
+        return _CompressGradFunction.apply(grad, input, weight, block, stride, seq)
+    return tuple(torch.ops.nsa_numba.nsa_compress_grad(grad, input, weight, block, stride,
+                                                       seq))
 
 
 # -- torch_npu's functions -------------------------------------------------------------
@@ -258,9 +327,9 @@ def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
     tensor), or None for one sequence.
     """
     op = _FORWARD
-    return torch.ops.nsa_numba.nsa_compress(
-        input, weight, _check_int(op, "compress_block_size", compress_block_size),
-        _check_int(op, "compress_stride", compress_stride), _seq_tensor(op, actual_seq_len))
+    return _compress(input, weight, _check_int(op, "compress_block_size", compress_block_size),
+                     _check_int(op, "compress_stride", compress_stride),
+                     _seq_tensor(op, actual_seq_len))
 
 
 def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
@@ -268,7 +337,7 @@ def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_str
     """torch_npu.npu_nsa_compress_grad on the CPU: ``(input_grad, weight_grad)``,
     itself differentiable (second derivatives)."""
     op = _GRAD
-    input_grad, weight_grad = torch.ops.nsa_numba.nsa_compress_grad(
+    input_grad, weight_grad = _compress_grad(
         grad, input, weight, _check_int(op, "compress_block_size", compress_block_size),
         _check_int(op, "compress_stride", compress_stride), _seq_tensor(op, actual_seq_len))
     return input_grad, weight_grad

@@ -63,19 +63,26 @@ def reference(world_size):
 
 
 def record_launch_threads():
-    """A list that receives Numba's thread count and the useful thread count of every
-    kernel launch this process makes from now on."""
+    """A list that receives, for every kernel launch this process makes from now
+    on, (Numba's thread count while the kernel ran, the threads its work could have
+    used: ``Plan.threads_useful``)."""
     import numba
 
-    from nsa_numba import _dispatch
+    from nsa_numba import _dispatch, _threading
     seen = []
-    run = _dispatch.run
+    run, launch = _dispatch.run, _threading.launch
 
-    def recording_run(plan, workspace=None):
-        seen.append((numba.get_num_threads(), plan.threads_useful))
-        return run(plan, workspace)
+    def recording_run(plan, *args, **kwargs):
+        seen.append([None, plan.threads_useful])
+        return run(plan, *args, **kwargs)
 
-    _dispatch.run = recording_run
+    def recording_launch(kernel, threads, *args):
+        def kernel_recorded(*args):
+            seen[-1][0] = numba.get_num_threads()
+            return kernel(*args)
+        return launch(kernel_recorded, threads, *args)
+
+    _dispatch.run, _threading.launch = recording_run, recording_launch
     return seen
 
 

@@ -33,6 +33,29 @@ def test_benchmark_classes_run_once(cls):
                 assert value > 0
 
 
+def test_torch_overhead_benchmark_runs():
+    pytest.importorskip("torch")
+    bench = suite.TorchOverhead()
+    us = bench.setup_cache()
+    bench.setup(us)
+    for name in dir(bench):
+        if name.startswith("track_"):
+            value = getattr(bench, name)(us)
+            assert isinstance(value, float)
+            if not name.endswith("bridge_us"):
+                assert value > 0
+
+
+def test_bench_overhead_command():
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--overhead",
+                           "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for fragment in ("empty custom op", "forward, torch", "backward, NumPy",
+                     "beyond the empty custom op"):
+        assert fragment in proc.stdout
+
+
 def test_first_call_snippet_runs():
     code = suite.FirstCall().timeraw_first_call_warm_cache()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -128,30 +128,31 @@ def test_autograd_with_block_equal_to_stride(block):
                          w.detach().numpy(), block, block, SEQ)
 
 
-def test_calls_use_at_most_torchs_thread_count(monkeypatch):
+def test_calls_use_at_most_torchs_thread_count():
     import numba
 
-    from nsa_numba import _dispatch
-    seen = []
-    real_run = _dispatch.run
-
-    def recording_run(plan, workspace=None):
-        seen.append(numba.get_num_threads())
-        return real_run(plan, workspace)
-
-    monkeypatch.setattr(_dispatch, "run", recording_run)
-    x, w, g = tensors(torch.bfloat16, seed=11)
+    from ddp_train import record_launch_threads
+    from nsa_numba import _dispatch, _threading
+    real = _dispatch.run, _threading.launch
+    seen = record_launch_threads()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4096, 4, 32, generator=gen).to(torch.bfloat16)   # work for 2 threads
+    w = torch.randn(32, 4, generator=gen).to(torch.bfloat16)
+    seq = [0, 2000, 4096]
+    g = torch.randn(254, 4, 32, generator=gen).to(torch.bfloat16)
     before = torch.get_num_threads()
     pool = numba.config.NUMBA_NUM_THREADS
     results = {}
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            results[n] = (npu_nsa_compress(x, w, 32, 16, actual_seq_len=SEQ),
-                          *npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=SEQ))
+            results[n] = (npu_nsa_compress(x, w, 32, 16, actual_seq_len=seq),
+                          *npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq))
     finally:
         torch.set_num_threads(before)
-    assert seen == [1, 1, min(2, pool), min(2, pool)]
+        _dispatch.run, _threading.launch = real
+    assert len(seen) == 4 and all(useful >= 2 for _, useful in seen), seen
+    assert [ran for ran, _ in seen] == [1, 1, min(2, pool), min(2, pool)]
     assert numba.get_num_threads() == pool          # restored after each call
     for a, b in zip(results[1], results[2]):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -244,6 +245,74 @@ def test_torch_compile_training_with_changing_sequences(backend, kind, dynamic):
         assert len(graphs) == counts
     else:
         assert counts + 1 <= len(graphs) <= counts + 2, (len(graphs), counts)
+
+
+def test_eager_path_and_registered_operator_agree():
+    # plain eager calls skip the dispatcher (autograd.Function); the registered
+    # operators are what tracing sees: same bits, same derivatives
+    from nsa_numba.torch import _CompressFunction
+    x, w, g = tensors(torch.bfloat16, seed=13)
+    seq = torch.tensor(SEQ)
+    results = []
+    for call in (npu_nsa_compress,
+                 lambda *a, **k: torch.ops.nsa_numba.nsa_compress(*a, k["actual_seq_len"])):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = call(xx, ww, 32, 16, actual_seq_len=seq)
+        y.backward(g)
+        results.append((y, xx.grad, ww.grad, type(y.grad_fn).__name__))
+    (y0, dx0, dw0, fn0), (y1, dx1, dw1, fn1) = results
+    assert fn0 == "_CompressFunctionBackward" and fn1 != fn0
+    for a, b in ((y0, y1), (dx0, dx1), (dw0, dw1)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with torch.device("cpu"):                 # a function mode: the registered operator
+        y = npu_nsa_compress(x, w, 32, 16, actual_seq_len=seq)
+    assert torch.equal(y.view(torch.int16), y0.view(torch.int16))
+    assert issubclass(_CompressFunction, torch.autograd.Function)
+
+
+def test_fake_tensors_get_shapes_without_running():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    # a shape environment gives data-dependent sizes (T' with sequence ends) a symbol
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.empty(272, 4, 32))
+        w = mode.from_tensor(torch.empty(32, 4))
+        one = npu_nsa_compress(x, w, 32, 16)
+        assert tuple(one.shape) == (16, 4, 32)          # (272 - 32) // 16 + 1
+        packed = npu_nsa_compress(x, w, 32, 16, actual_seq_len=SEQ)
+        assert packed.dim() == 3 and packed.shape[1:] == (4, 32)   # T' from the data
+        dx, dw = npu_nsa_compress_grad(one, x, w, 32, 16)
+        assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+    x, w, g = tensors(torch.float32, seed=14)
+    grads = []
+    for wrap in (lambda f, *a: f(*a), lambda f, *a: checkpoint(f, *a, use_reentrant=False)):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = wrap(lambda a, b: npu_nsa_compress(a * 2, b, 32, 16, actual_seq_len=SEQ), xx, ww)
+        y.backward(g)
+        grads.append((xx.grad, ww.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _Compressed(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        x, w, _ = tensors(torch.float16, seed=i)
+        return npu_nsa_compress(x, w, 32, 16, actual_seq_len=SEQ)
+
+
+def test_dataloader_workers_call_the_operator():
+    # workers are forked after this process has run kernels (see _threading)
+    npu_nsa_compress(*tensors(torch.float16)[:2], 32, 16)
+    loader = torch.utils.data.DataLoader(_Compressed(), batch_size=2, num_workers=2)
+    got = torch.cat(list(loader))
+    want = torch.stack([_Compressed()[i] for i in range(4)])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_errors_name_the_torch_npu_functions():

@@ -87,6 +87,44 @@ class Throughput(_Problem):
     track_forward_pct_of_copy.unit = track_backward_pct_of_copy.unit = "%"
 
 
+class TorchOverhead:
+    """Per-call microseconds of the torch functions on a tiny problem, against the NumPy
+    API and an empty custom op with autograd (``python -m nsa_numba bench --overhead``:
+    one measurement, shared by the track_ methods)."""
+    timeout = 300
+
+    def setup_cache(self):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return None
+        return bench.overhead(repeat=5, calls=500)
+
+    def setup(self, us):
+        if us is None:
+            raise NotImplementedError("torch is not installed")
+
+    def track_forward_torch_us(self, us):
+        return us["forward, torch"]
+
+    def track_forward_numpy_us(self, us):
+        return us["forward, NumPy"]
+
+    def track_empty_custom_op_us(self, us):
+        return us["empty custom op"]
+
+    def track_forward_bridge_us(self, us):
+        """What the torch forward adds to the NumPy call beyond an empty custom op."""
+        return us["forward, torch"] - us["forward, NumPy"] - us["empty custom op"]
+
+    def track_backward_bridge_us(self, us):
+        return us["backward, torch"] - us["backward, NumPy"] - us["empty custom op"]
+
+    track_forward_torch_us.unit = track_forward_numpy_us.unit = "us"
+    track_empty_custom_op_us.unit = "us"
+    track_forward_bridge_us.unit = track_backward_bridge_us.unit = "us"
+
+
 _FIRST_CALL = """
 import numpy as np
 import nsa_numba
