@@ -17,11 +17,13 @@ float32 and float64, any strides. The operators are registered as
 gradient operator's own autograd gives second derivatives), so they work under
 ``torch.compile`` and pass ``torch.library.opcheck`` and ``gradgradcheck``.
 
-Sequence ends reach the operators as a 1-D int64 tensor, whatever the caller
-passed (list, tuple, NumPy array or tensor). The forward's row count T' depends
-on their values, so its fake implementation gives T' as a data-dependent size:
-one compiled graph serves every batch, whatever its sequence lengths. (Dynamo
-still guards on the length of a Python list; see the README for the counts.)
+Under ``torch.compile`` the forward's row count T' comes from the sequence ends:
+given as a list or tuple, their values are symbolic integers (Dynamo makes them
+so once they change) and T' is the exact expression in them; given as a tensor,
+T' is a data-dependent size, shared by every call with the same tensor and window
+(so keys and values compressed alike have one length). Either way one graph serves
+batches of any lengths; Dynamo guards on a list's length, so lists compile once per
+sequence count (see the README for the counts).
 
 Tensors cross to NumPy without copies (bfloat16 through an int16 view); results
 are the NumPy API's, bit for bit. A call uses at most ``torch.get_num_threads()``
@@ -30,6 +32,7 @@ Invalid arguments raise ``nsa_numba.NsaError`` naming the torch_npu function and
 its arguments. Requires PyTorch 2.4 or newer.
 """
 
+import weakref
 from typing import List, Optional
 
 import numpy as np
@@ -78,13 +81,14 @@ def _as_tensor(a):
     return torch.from_numpy(a)
 
 
-def _seq_numpy(op, seq):
-    """The operator's sequence-ends tensor as NumPy integers, or None."""
-    if seq is None:
-        return None
-    if seq.device.type != "cpu":
-        raise invalid(op, f"actual_seq_len must be on the CPU, got device {seq.device}")
-    return seq.numpy()
+def _seq_values(op, values, tensor):
+    """The sequence ends the operators got (a list or array of ``values``, a
+    ``tensor``, or neither) as the planner takes them."""
+    if tensor is None:
+        return values
+    if tensor.device.type != "cpu":
+        raise invalid(op, f"actual_seq_len must be on the CPU, got device {tensor.device}")
+    return tensor.numpy()
 
 
 def _run(plan):
@@ -93,32 +97,36 @@ def _run(plan):
 
 
 # -- the operators -----------------------------------------------------------------
+# Both take the sequence ends as a list (``actual_seq_len``) or as a tensor
+# (``actual_seq_len_tensor``), never both; the public functions choose.
 
-def _compress_impl(input, weight, block, stride, seq):
+def _compress_impl(input, weight, block, stride, values, tensor):
     """The forward on tensors: plan, run, the output as a tensor."""
     x = _as_numpy(_FORWARD, "input", input)
     w = _as_numpy(_FORWARD, "weight", weight)
-    plan = plan_forward(_RULES[_FORWARD], x, w, block, stride, _seq_numpy(_FORWARD, seq), 0,
-                        "TND", None)
+    plan = plan_forward(_RULES[_FORWARD], x, w, block, stride,
+                        _seq_values(_FORWARD, values, tensor), 0, "TND", None)
     _run(plan)
     return _as_tensor(plan.arrays["out"])
 
 
-def _compress_grad_impl(grad, input, weight, block, stride, seq):
+def _compress_grad_impl(grad, input, weight, block, stride, values, tensor):
     """The backward on tensors: ``[input_grad, weight_grad]``."""
     g = _as_numpy(_GRAD, "grad", grad)
     x = _as_numpy(_GRAD, "input", input)
     w = _as_numpy(_GRAD, "weight", weight)
-    plan = plan_grad(_RULES[_GRAD], g, x, w, block, stride, _seq_numpy(_GRAD, seq), 0, "TND",
-                     None, None)
+    plan = plan_grad(_RULES[_GRAD], g, x, w, block, stride, _seq_values(_GRAD, values, tensor),
+                     0, "TND", None, None)
     _run(plan)
     return [_as_tensor(plan.arrays["input_grad"]), _as_tensor(plan.arrays["weight_grad"])]
 
 
 @torch.library.custom_op("nsa_numba::nsa_compress", mutates_args=())
 def _nsa_compress(input: torch.Tensor, weight: torch.Tensor, compress_block_size: int,
-                  compress_stride: int, actual_seq_len: Optional[torch.Tensor]) -> torch.Tensor:
-    return _compress_impl(input, weight, compress_block_size, compress_stride, actual_seq_len)
+                  compress_stride: int, actual_seq_len: Optional[List[int]],
+                  actual_seq_len_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    return _compress_impl(input, weight, compress_block_size, compress_stride, actual_seq_len,
+                          actual_seq_len_tensor)
 
 
 def _check_meta(op, *named):
@@ -135,28 +143,62 @@ def _check_meta(op, *named):
                               f"{tuple(t.shape)}")
 
 
+def _windows(length, block, stride):
+    """Windows of a sequence of ``length`` tokens (ints or SymInts)."""
+    return torch.sym_max((length - block) // stride + 1, 0)
+
+
+#: data-dependent row counts already made: id(fake sequence-ends tensor) ->
+#: (weak reference to it, {(l, d): size}); by identity, as tensors compare by value
+_sizes_of = {}
+
+
+def _rows_for_tensor(tensor, block, stride):
+    """T' for sequence ends held in a (fake) tensor: a data-dependent size, the same
+    one for every call with this tensor and window, so that the keys and values of a
+    layer, compressed alike, get one length that later operations can match."""
+    key = id(tensor)
+    entry = _sizes_of.get(key)
+    if entry is None or entry[0]() is not tensor:
+        entry = (weakref.ref(tensor, lambda _, key=key: _sizes_of.pop(key, None)), {})
+        _sizes_of[key] = entry
+    sizes = entry[1]
+    rows = torch.library.get_ctx().new_dynamic_size()
+    if (block, stride) in sizes:         # the size of an earlier call: the same value
+        torch._check(rows == sizes[block, stride])
+    else:
+        sizes[block, stride] = rows
+    return rows
+
+
 @_nsa_compress.register_fake
-def _nsa_compress_fake(input, weight, compress_block_size, compress_stride, actual_seq_len):
+def _nsa_compress_fake(input, weight, compress_block_size, compress_stride, actual_seq_len,
+                       actual_seq_len_tensor):
     _check_meta(_FORWARD, ("input", input, 3), ("weight", weight, 2))
-    if actual_seq_len is None:      # one sequence: T' follows from T
-        windows = (input.shape[0] - compress_block_size) // compress_stride + 1
-        windows = torch.sym_max(windows, 0)
-    else:                           # T' depends on the values: a data-dependent size
-        windows = torch.library.get_ctx().new_dynamic_size()
-    return input.new_empty((windows, input.shape[1], input.shape[2]))
+    block, stride = compress_block_size, compress_stride
+    if actual_seq_len_tensor is not None:
+        rows = _rows_for_tensor(actual_seq_len_tensor, block, stride)
+    elif actual_seq_len is not None:           # the exact expression in the ends
+        rows, start = 0, 0
+        for end in actual_seq_len:
+            rows, start = rows + _windows(end - start, block, stride), end
+    else:                                      # one sequence: T' follows from T
+        rows = _windows(input.shape[0], block, stride)
+    return input.new_empty((rows, input.shape[1], input.shape[2]))
 
 
 @torch.library.custom_op("nsa_numba::nsa_compress_grad", mutates_args=())
 def _nsa_compress_grad(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
                        compress_block_size: int, compress_stride: int,
-                       actual_seq_len: Optional[torch.Tensor]) -> List[torch.Tensor]:
+                       actual_seq_len: Optional[List[int]],
+                       actual_seq_len_tensor: Optional[torch.Tensor]) -> List[torch.Tensor]:
     return _compress_grad_impl(grad, input, weight, compress_block_size, compress_stride,
-                               actual_seq_len)
+                               actual_seq_len, actual_seq_len_tensor)
 
 
 @_nsa_compress_grad.register_fake
 def _nsa_compress_grad_fake(grad, input, weight, compress_block_size, compress_stride,
-                            actual_seq_len):
+                            actual_seq_len, actual_seq_len_tensor):
     _check_meta(_GRAD, ("input", input, 3), ("weight", weight, 2), ("grad", grad, 3))
     return [torch.empty_like(input, memory_format=torch.contiguous_format),
             torch.empty_like(weight, memory_format=torch.contiguous_format)]
@@ -165,15 +207,31 @@ def _nsa_compress_grad_fake(grad, input, weight, compress_block_size, compress_s
 # -- autograd ------------------------------------------------------------------------
 # The operator is linear in the input and in the weight, and its gradient operator
 # is linear in each argument too, so every derivative is again one of the two.
+# ``ctx.seq`` is (values, tensor); the tensor, if any, is also a saved tensor.
+
+def _compress_setup(ctx, inputs, output):
+    input, weight, block, stride, values, tensor = inputs
+    ctx.save_for_backward(input, weight, tensor)
+    ctx.window = (block, stride)
+    ctx.values = values
+
+
+def _grad_setup(ctx, inputs, output):
+    grad, input, weight, block, stride, values, tensor = inputs
+    ctx.save_for_backward(grad, input, weight, tensor)
+    ctx.window = (block, stride)
+    ctx.values = values
+
 
 def _compress_backward(ctx, grad):
-    input, weight, seq = ctx.saved_tensors
+    input, weight, tensor = ctx.saved_tensors
     need_input, need_weight = ctx.needs_input_grad[:2]
+    none = (None,) * 4
     if not (need_input or need_weight):
-        return None, None, None, None, None
-    input_grad, weight_grad = _compress_grad(grad, input, weight, *ctx.window, seq)
-    return (input_grad if need_input else None, weight_grad if need_weight else None,
-            None, None, None)
+        return (None, None) + none
+    input_grad, weight_grad = _compress_grad(grad, input, weight, *ctx.window, ctx.values,
+                                             tensor)
+    return (input_grad if need_input else None, weight_grad if need_weight else None) + none
 
 
 def _grad_backward(ctx, a, b):
@@ -184,34 +242,22 @@ def _grad_backward(ctx, a, b):
     * weight_grad is bilinear in grad and input: ``b`` reaches grad as
       compress(input, b) and input as the input gradient of compress with weight b.
     """
-    grad, input, weight, seq = ctx.saved_tensors
-    block, stride = ctx.window
+    grad, input, weight, tensor = ctx.saved_tensors
+    seq = (*ctx.window, ctx.values, tensor)
     need_grad, need_input, need_weight = ctx.needs_input_grad[:3]
     d_grad = d_input = d_weight = None
     if a is not None:
         if need_grad:
-            d_grad = _compress(a, weight, block, stride, seq)
+            d_grad = _compress(a, weight, *seq)
         if need_weight:
-            d_weight = _compress_grad(grad, a, weight, block, stride, seq)[1]
+            d_weight = _compress_grad(grad, a, weight, *seq)[1]
     if b is not None:
         if need_grad:
-            term = _compress(input, b, block, stride, seq)
+            term = _compress(input, b, *seq)
             d_grad = term if d_grad is None else d_grad + term
         if need_input:
-            d_input = _compress_grad(grad, input, b, block, stride, seq)[0]
-    return d_grad, d_input, d_weight, None, None, None
-
-
-def _compress_setup(ctx, inputs, output):
-    input, weight, block, stride, seq = inputs
-    ctx.save_for_backward(input, weight, seq)
-    ctx.window = (block, stride)
-
-
-def _grad_setup(ctx, inputs, output):
-    grad, input, weight, block, stride, seq = inputs
-    ctx.save_for_backward(grad, input, weight, seq)
-    ctx.window = (block, stride)
+            d_input = _compress_grad(grad, input, b, *seq)[0]
+    return (d_grad, d_input, d_weight) + (None,) * 4
 
 
 _nsa_compress.register_autograd(_compress_backward, setup_context=_compress_setup)
@@ -226,9 +272,9 @@ class _CompressFunction(torch.autograd.Function):
     the registered operator, without the dispatcher's round trip."""
 
     @staticmethod
-    def forward(ctx, input, weight, block, stride, seq):
-        _compress_setup(ctx, (input, weight, block, stride, seq), None)
-        return _compress_impl(input, weight, block, stride, seq)
+    def forward(ctx, input, weight, block, stride, values, tensor):
+        _compress_setup(ctx, (input, weight, block, stride, values, tensor), None)
+        return _compress_impl(input, weight, block, stride, values, tensor)
 
     backward = staticmethod(_compress_backward)
 
@@ -237,9 +283,9 @@ class _CompressGradFunction(torch.autograd.Function):
     """The eager path of ``nsa_compress_grad``."""
 
     @staticmethod
-    def forward(ctx, grad, input, weight, block, stride, seq):
-        _grad_setup(ctx, (grad, input, weight, block, stride, seq), None)
-        return tuple(_compress_grad_impl(grad, input, weight, block, stride, seq))
+    def forward(ctx, grad, input, weight, block, stride, values, tensor):
+        _grad_setup(ctx, (grad, input, weight, block, stride, values, tensor), None)
+        return tuple(_compress_grad_impl(grad, input, weight, block, stride, values, tensor))
 
     backward = staticmethod(_grad_backward)
 
@@ -266,17 +312,23 @@ def _eager(*tensors):
     return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
 
 
-def _compress(input, weight, block, stride, seq):
-    if _eager(input, weight, seq):
-        return _CompressFunction.apply(input, weight, block, stride, seq)
-    return torch.ops.nsa_numba.nsa_compress(input, weight, block, stride, seq)
+def _op_values(values):
+    """Sequence-end values as the registered operators' int list."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
 
 
-def _compress_grad(grad, input, weight, block, stride, seq):
-    if _eager(grad, input, weight, seq):
-        return _CompressGradFunction.apply(grad, input, weight, block, stride, seq)
+def _compress(input, weight, block, stride, values, tensor):
+    if _eager(input, weight, tensor):
+        return _CompressFunction.apply(input, weight, block, stride, values, tensor)
+    return torch.ops.nsa_numba.nsa_compress(input, weight, block, stride, _op_values(values),
+                                            tensor)
+
+
+def _compress_grad(grad, input, weight, block, stride, values, tensor):
+    if _eager(grad, input, weight, tensor):
+        return _CompressGradFunction.apply(grad, input, weight, block, stride, values, tensor)
     return tuple(torch.ops.nsa_numba.nsa_compress_grad(grad, input, weight, block, stride,
-                                                       seq))
+                                                       _op_values(values), tensor))
 
 
 # -- torch_npu's functions -------------------------------------------------------------
@@ -288,35 +340,29 @@ def _check_int(op, name, value):
     return _seqlens.as_int64(op, name, value)
 
 
-def _seq_tensor(op, actual_seq_len):
-    """``actual_seq_len`` (None, list, tuple, 1-D integer array or tensor) as the 1-D
-    int64 CPU tensor the operators take, or None; NsaError for anything else."""
-    if actual_seq_len is None or isinstance(actual_seq_len, torch.Tensor):
-        seq = actual_seq_len
-        if seq is not None:
-            if seq.dim() != 1:
-                raise invalid(op, f"actual_seq_len must be 1-D, got a tensor of shape "
-                                  f"{tuple(seq.shape)}")
-            if seq.dtype not in _INT_DTYPES:
-                raise invalid(op, f"actual_seq_len must hold integers, got dtype "
-                                  f"{seq.dtype}")
-            if seq.dtype != torch.int64:
-                seq = seq.to(torch.int64)
-        return seq
-    if torch.compiler.is_compiling():
-        # inside a traced region the values may be SymInts: build the tensor in the
-        # graph (the kernels check the values when they run)
-        if not isinstance(actual_seq_len, (list, tuple)):
-            raise invalid(op, f"actual_seq_len must be None, a list, a tuple, a 1-D "
-                              f"integer array or a tensor, got "
-                              f"{type(actual_seq_len).__name__}")
+def _seq_arguments(op, actual_seq_len):
+    """(values, tensor): ``actual_seq_len`` as the operators take it, NsaError for a
+    container or element type they cannot. A tensor stays a tensor (int64); a list or
+    tuple becomes an int64 array in eager code and stays a list under torch.compile,
+    where its elements may be SymInts (the kernels check the values when they run).
+    """
+    if actual_seq_len is None:
+        return None, None
+    if isinstance(actual_seq_len, torch.Tensor):
+        if actual_seq_len.dim() != 1:
+            raise invalid(op, f"actual_seq_len must be 1-D, got a tensor of shape "
+                              f"{tuple(actual_seq_len.shape)}")
+        if actual_seq_len.dtype not in _INT_DTYPES:
+            raise invalid(op, f"actual_seq_len must hold integers, got dtype "
+                              f"{actual_seq_len.dtype}")
+        return None, actual_seq_len.to(torch.int64)
+    if torch.compiler.is_compiling() and isinstance(actual_seq_len, (list, tuple)):
         for i, v in enumerate(actual_seq_len):
             if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
                 raise invalid(op, f"actual_seq_len[{i}] must be an integer, got {v!r} "
                                   f"({type(v).__name__})")
-        return torch.tensor(actual_seq_len, dtype=torch.int64)
-    values = _seqlens.as_int_vector(op, "actual_seq_len", actual_seq_len)
-    return torch.from_numpy(values)
+        return list(actual_seq_len), None
+    return _seqlens.as_int_vector(op, "actual_seq_len", actual_seq_len), None
 
 
 def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
@@ -329,7 +375,7 @@ def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
     op = _FORWARD
     return _compress(input, weight, _check_int(op, "compress_block_size", compress_block_size),
                      _check_int(op, "compress_stride", compress_stride),
-                     _seq_tensor(op, actual_seq_len))
+                     *_seq_arguments(op, actual_seq_len))
 
 
 def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
@@ -339,5 +385,5 @@ def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_str
     op = _GRAD
     input_grad, weight_grad = _compress_grad(
         grad, input, weight, _check_int(op, "compress_block_size", compress_block_size),
-        _check_int(op, "compress_stride", compress_stride), _seq_tensor(op, actual_seq_len))
+        _check_int(op, "compress_stride", compress_stride), *_seq_arguments(op, actual_seq_len))
     return input_grad, weight_grad
