@@ -85,6 +85,8 @@ def run(plan, workspace=None, threads=None):
     many threads (None: Numba's count for the calling thread).
     """
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
+    if plan.op == "infer":
+        return _run_infer(plan, workspace, useful)
     if workspace is None:
         workspace = new_workspace(plan)
     partials, scratch = carve(plan, workspace)
@@ -100,3 +102,17 @@ def run(plan, workspace=None, threads=None):
                       partials, plan.tiles, plan.stride, plan.D, scratch,
                       backward_vector(plan, x, ig))
     _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))
+
+
+def _run_infer(plan, workspace, threads):
+    """The with-cache operator: one kernel launch over the writing sequences."""
+    if not plan.writers:
+        return
+    if workspace is None:
+        workspace = new_workspace(plan)
+    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
+    scratch = workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator).reshape(
+        plan.scratch_slots, plan.scratch_elements)
+    wt = _weight_table(plan)
+    _threading.launch(_kernels.compress_infer, threads, plan.storage("input"), wt,
+                      plan.storage("cache"), plan.slots, plan.source, plan.D, scratch)

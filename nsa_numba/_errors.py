@@ -9,6 +9,7 @@ ACLNN_ERR_PARAM_NULLPTR = 161001
 ACLNN_ERR_PARAM_INVALID = 161002
 ACLNN_ERR_RUNTIME_ERROR = 361001
 ACLNN_ERR_INNER = 561000
+ACLNN_ERR_INNER_TILING_ERROR = 561002
 
 
 class NsaError(ValueError):
@@ -16,7 +17,9 @@ class NsaError(ValueError):
 
     ``status`` is the aclnn status code the NPU returns for the same input:
     161001 (``ACLNN_ERR_PARAM_NULLPTR``) for a required tensor that is None,
-    161002 (``ACLNN_ERR_PARAM_INVALID``) for everything else.
+    561002 (``ACLNN_ERR_INNER_TILING_ERROR``) for what the with-cache operator's
+    tiling rejects (see ``_infer``), 161002 (``ACLNN_ERR_PARAM_INVALID``) for
+    everything else.
     """
 
     def __init__(self, message, status=ACLNN_ERR_PARAM_INVALID):
@@ -27,6 +30,11 @@ class NsaError(ValueError):
 def invalid(op, message):
     """An NsaError with status 161002, the message prefixed with the operator name."""
     return NsaError(f"{op}: {message}", ACLNN_ERR_PARAM_INVALID)
+
+
+def tiling(op, message):
+    """An NsaError with status 561002, for what the NPU's tiling rejects."""
+    return NsaError(f"{op}: {message}", ACLNN_ERR_INNER_TILING_ERROR)
 
 
 def missing(op, name):

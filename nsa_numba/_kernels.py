@@ -634,3 +634,34 @@ def reduce_weight_grad(partials, wg):
             for tile in range(1, n_tiles):
                 partials[0, n, j] += partials[tile, n, j]
             wg[j, n] = narrow(partials[0, n, j], wg)
+
+
+@jit_parallel
+def compress_infer(x, wt, cache, slots, source, D, scratch):
+    """cache[0, slots[i], n] = sum_j wt[n, j] * x[page, row, n] over the (page, row) pairs
+    ``source[i, j]`` of writer i's window, j in order: the with-cache operator
+    (``_infer``). A unit is one writer, all heads: it reads its window's token rows
+    one after another in full (memory order within a page) and keeps the ``[N, D]``
+    sums in its thread's scratch row, starting from +0 as the training forward's do,
+    so a window gives the same bits here as there.
+    """
+    N = wt.shape[0]
+    block = wt.shape[1]
+    for unit in prange(slots.shape[0]):
+        i = np.int64(unit)
+        acc = scratch[get_thread_id()][:N * D].reshape((N, D))
+        zero = acc.dtype.type(0)
+        for n in range(N):
+            for e in range(D):
+                acc[n, e] = zero
+        for j in range(block):
+            page = source[i, j, 0]
+            row = source[i, j, 1]
+            for n in range(N):
+                w = wt[n, j]
+                for e in range(D):
+                    acc[n, e] += w * widen(x[page, row, n, e])
+        slot = slots[i]
+        for n in range(N):
+            for e in range(D):
+                cache[0, slot, n, e] = narrow(acc[n, e], cache)

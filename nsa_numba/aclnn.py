@@ -1,7 +1,7 @@
 """The aclnn two-phase C API of the NSA compress operators, mirrored in Python.
 
-Code written against CANN's ``aclnnNsaCompress`` / ``aclnnNsaCompressGrad`` runs
-unchanged and fails the same way:
+Code written against CANN's ``aclnnNsaCompress`` / ``aclnnNsaCompressGrad`` /
+``aclnnNsaCompressWithCache`` runs unchanged and fails the same way:
 
 1. ``aclnn...GetWorkspaceSize(...)`` validates every argument against the NPU's
    documented constraints and returns ``(status, workspace_size, executor)``;
@@ -19,8 +19,11 @@ message for ``aclGetRecentErrMsg()`` (kept per thread, newest first, cleared whe
 read). An unexpected internal exception becomes ``ACLNN_ERR_INNER`` with its
 message. On any failure no output element changes.
 
-The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad``
-in strict mode (``_plan``), with the C parameter names and float16 / bfloat16 only.
+The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad`` /
+``nsa_compress_infer`` in strict mode (``_plan``, ``_infer``), with the C parameter
+names, float16 / bfloat16 only, and int32 ``slotMapping`` / ``blockTableOptional``.
+The with-cache operator returns 561002 (``ACLNN_ERR_INNER_TILING_ERROR``) for what
+the NPU's tiling rejects, as the NPU does.
 """
 
 import contextlib
@@ -29,8 +32,9 @@ import threading
 import numpy as np
 
 from . import _dispatch
-from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
-                      ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
+from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID,
+                      ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
+from ._infer import InferRules, plan_infer
 from ._plan import BFLOAT16, FLOAT16, Rules, overlaps, plan_forward, plan_grad
 
 __all__ = [
@@ -38,6 +42,8 @@ __all__ = [
     "ACLNN_ERR_RUNTIME_ERROR", "ACLNN_ERR_INNER",
     "aclnnNsaCompressGetWorkspaceSize", "aclnnNsaCompress",
     "aclnnNsaCompressGradGetWorkspaceSize", "aclnnNsaCompressGrad",
+    "aclnnNsaCompressWithCacheGetWorkspaceSize", "aclnnNsaCompressWithCache",
+    "ACLNN_ERR_INNER_TILING_ERROR",
     "aclGetRecentErrMsg", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor",
     "aclOpExecutor",
 ]
@@ -58,6 +64,15 @@ GRAD_RULES = Rules(
                weight_grad="weightGradOut", actual_seq_len="actSeqLenOptionalOptional",
                layout="layoutOptionalOptional"),
     dtypes=(FLOAT16, BFLOAT16), strict=True, allocate_outputs=False)
+
+INFER_RULES = InferRules(
+    "aclnnNsaCompressWithCacheGetWorkspaceSize",
+    names=dict(input="input", weight="weight", slot_mapping="slotMapping",
+               block="compressBlockSize", stride="compressStride", page="pageBlockSize",
+               block_table="blockTableOptional", actual_seq_len="actSeqLenOptional",
+               layout="layoutOptional", cache="outputCache",
+               actual_seq_len_type="actSeqLenType"),
+    dtypes=(FLOAT16, BFLOAT16), index_dtype=np.dtype(np.int32), strict=True)
 
 _errors = threading.local()
 
@@ -99,7 +114,9 @@ class aclOpExecutor:
             return "<aclOpExecutor destroyed>"
         kind = "repeatable " if self.repeatable else ""
         p = self.plan
-        return (f"<aclOpExecutor {kind}{p.op} {p.layout} B={p.B} S={p.S} N={p.N} D={p.D} "
+        shape = (f"writers={p.writers}" if p.op == "infer" else
+                 f"{p.layout} B={p.B} S={p.S}")
+        return (f"<aclOpExecutor {kind}{p.op} {shape} N={p.N} D={p.D} "
                 f"workspace={p.workspace_bytes} bytes runs={self.runs}>")
 
 
@@ -135,6 +152,20 @@ def aclnnNsaCompressGradGetWorkspaceSize(outputGrad, input, weight,
                                weightGradOut)
 
 
+def aclnnNsaCompressWithCacheGetWorkspaceSize(input, weight, slotMapping, actSeqLenOptional,
+                                              blockTableOptional, layoutOptional,
+                                              compressBlockSize, compressStride,
+                                              actSeqLenType, pageBlockSize, outputCache):
+    """Phase one of the with-cache operator: validate, plan.
+    -> (status, workspace_size, executor). ``slotMapping`` and ``blockTableOptional``
+    are int32 arrays; ``actSeqLenOptional`` holds per-sequence lengths
+    (``actSeqLenType`` 1)."""
+    return _get_workspace_size(INFER_RULES, plan_infer, input, weight, slotMapping,
+                               compressBlockSize, compressStride, pageBlockSize,
+                               blockTableOptional, actSeqLenOptional, actSeqLenType,
+                               layoutOptional, outputCache)
+
+
 def _check_run(op, kind, workspace, workspace_size, executor, stream):
     """The workspace as C-contiguous uint8 bytes, or raise NsaError. Caller holds the lock."""
     if executor is None:
@@ -146,7 +177,7 @@ def _check_run(op, kind, workspace, workspace_size, executor, stream):
     if executor.destroyed:
         raise NsaError(f"{op}: executor was destroyed by aclDestroyAclOpExecutor")
     if executor.plan.op != kind:
-        other = "aclnnNsaCompressGrad" if kind == "forward" else "aclnnNsaCompress"
+        other = _OPERATORS[executor.plan.op]
         raise NsaError(f"{op}: executor was made by {other}GetWorkspaceSize, "
                        f"not {op}GetWorkspaceSize")
     if executor.runs and not executor.repeatable:
@@ -202,6 +233,11 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
     return ACLNN_SUCCESS
 
 
+#: the operator each plan kind belongs to
+_OPERATORS = {"forward": "aclnnNsaCompress", "grad": "aclnnNsaCompressGrad",
+              "infer": "aclnnNsaCompressWithCache"}
+
+
 def aclnnNsaCompress(workspace, workspaceSize, executor, stream=None):
     """Phase two of the forward: compute ``output``. -> status."""
     return _run("aclnnNsaCompress", "forward", workspace, workspaceSize, executor, stream)
@@ -210,6 +246,12 @@ def aclnnNsaCompress(workspace, workspaceSize, executor, stream=None):
 def aclnnNsaCompressGrad(workspace, workspaceSize, executor, stream=None):
     """Phase two of the backward: compute ``inputGradOut`` and ``weightGradOut``. -> status."""
     return _run("aclnnNsaCompressGrad", "grad", workspace, workspaceSize, executor, stream)
+
+
+def aclnnNsaCompressWithCache(workspace, workspaceSize, executor, stream=None):
+    """Phase two of the with-cache operator: update ``outputCache`` in place. -> status."""
+    return _run("aclnnNsaCompressWithCache", "infer", workspace, workspaceSize, executor,
+                stream)
 
 
 def _executor_call(op, executor):

@@ -1,6 +1,8 @@
-"""The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress``."""
+"""The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress`` and
+``npu_nsa_compress_infer``."""
 
 from . import _dispatch
+from ._infer import InferRules, plan_infer
 from ._plan import Rules, plan_forward, plan_grad
 
 
@@ -78,3 +80,58 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
                      actual_seq_len_type, layout, input_grad, weight_grad)
     _dispatch.run(plan)
     return plan.arrays["input_grad"], plan.arrays["weight_grad"]
+
+
+def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compress_stride,
+                       page_block_size, *, block_table=None, actual_seq_len, layout="TND",
+                       cache, strict=True):
+    """One decoding step of the compressed-KV cache (``aclnnNsaCompressWithCache``).
+
+    Every sequence ``b`` whose length ``s = actual_seq_len[b]`` is on a window
+    boundary (``s >= l`` and ``(s - l) % d == 0``) compresses its newest window::
+
+        cache[slot_mapping[b], n, :] = sum_j weight[j, n] * x_b[s - l + j, n, :]
+
+    Other sequences and every other cache row are left as they are; ``cache`` is
+    updated in place and returned.
+
+    Parameters
+    ----------
+    input : ndarray
+        Paged: ``[block_num, page_block_size, N, D]`` with ``block_table``, token ``p``
+        of sequence ``b`` at ``input[block_table[b, p // page_block_size],
+        p % page_block_size]`` (a window may straddle pages). Packed: ``[T, N, D]``
+        without one (layout TND), the sequences back to back from token 0 (their
+        lengths may sum to less than T). float16, bfloat16, float32 or float64; any
+        strides.
+    weight : ndarray [l, N], same dtype.
+    slot_mapping : 1-D integers [B] (an array of any integer dtype, list or tuple):
+        the cache row of each sequence's new token; only the writers' are used.
+    compress_block_size, compress_stride, page_block_size : int
+        ``l``, ``d`` and the page size (``input.shape[1]`` when paged).
+    block_table : 2-D integers [B, blocks_per_seq], or None for a packed input.
+        Only the entries a writer reads are used (padding beyond a sequence's length
+        may hold anything).
+    actual_seq_len : 1-D integers [B]: each sequence's current length.
+    layout : "TND" or None; ignored with a block table.
+    cache : ndarray [rows, N, D], same dtype; any strides; must not share memory with
+        the other arguments.
+    strict : bool
+        True: the NPU's limits (l, d multiples of 16, ``d <= l <= 64``, d in 16, 32,
+        48, 64, page size 64 or 128, D a multiple of 16 and <= 256, N <= 64 and even
+        above 50, more than ``(block_num * page - l) / d`` cache rows, no empty
+        arrays, no repeated rows among the writers). False: only what the maths
+        needs; a cache row given to several writers gets the last one's.
+
+    Raises
+    ------
+    NsaError
+        status 161001 (a required array is None), 561002 (what the NPU's tiling
+        rejects) or 161002 (anything else: dtypes, shapes, lengths past the block
+        table or past T, block or slot indices out of range). Nothing is written then.
+    """
+    plan = plan_infer(InferRules("nsa_compress_infer", strict=strict), input, weight,
+                      slot_mapping, compress_block_size, compress_stride, page_block_size,
+                      block_table, actual_seq_len, 1, layout, cache)
+    _dispatch.run(plan)
+    return cache

@@ -57,6 +57,34 @@ def compress_grad(g, x, w, block, stride, actual_seq_len=None, actual_seq_len_ty
     return dx, dw
 
 
+def sequence_tokens(input, b, lengths, page_block_size, block_table=None):
+    """Sequence ``b``'s tokens ``[s, N, D]`` in float64: gathered page by page through
+    ``block_table`` from a paged input, or sliced from a packed one (TND)."""
+    x = np.asarray(input, np.float64)
+    s = int(lengths[b])
+    if block_table is None:
+        start = int(sum(int(v) for v in lengths[:b]))
+        return x[start:start + s]
+    rows = [x[int(block_table[b][p // page_block_size]), p % page_block_size] for p in range(s)]
+    return np.array(rows).reshape((s,) + x.shape[2:])
+
+
+def compress_infer(input, weight, slot_mapping, block, stride, page_block_size, lengths,
+                   cache, block_table=None):
+    """The with-cache operator in float64: a copy of ``cache`` (as float64) with the
+    writing sequences' rows replaced, in sequence order (a later writer of the same
+    row wins), and the rows written."""
+    out = np.array(cache, np.float64)
+    w = np.asarray(weight, np.float64)
+    written = []
+    for b, s in enumerate(int(v) for v in lengths):
+        if s >= block and (s - block) % stride == 0:
+            tokens = sequence_tokens(input, b, lengths, page_block_size, block_table)
+            out[int(slot_mapping[b])] = np.einsum("jn,jnd->nd", w, tokens[s - block:s])
+            written.append(int(slot_mapping[b]))
+    return out, sorted(set(written))
+
+
 def abs_terms_forward(x, w, block, stride, actual_seq_len=None, actual_seq_len_type=0):
     """sum_j |w x| per output element: scales the float32 accumulation error bound."""
     return compress(np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64)),
