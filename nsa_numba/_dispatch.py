@@ -113,6 +113,9 @@ def _run_infer(plan, workspace, threads):
     skip = -workspace.ctypes.data % WORKSPACE_ALIGN
     scratch = workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator).reshape(
         plan.scratch_slots, plan.scratch_elements)
-    wt = _weight_table(plan)
-    _threading.launch(_kernels.compress_infer, threads, plan.storage("input"), wt,
-                      plan.storage("cache"), plan.slots, plan.source, plan.D, scratch)
+    args = (plan.storage("input"), _weight_table(plan), plan.storage("cache"), plan.slots,
+            plan.source, plan.D, scratch)
+    if threads == 1:
+        _kernels.compress_infer_serial(*args)
+    else:
+        _threading.launch(_kernels.compress_infer, threads, *args)

@@ -636,32 +636,59 @@ def reduce_weight_grad(partials, wg):
             wg[j, n] = narrow(partials[0, n, j], wg)
 
 
+@jit
+def _infer_writer(x, wt, cache, slots, source, D, i, row):
+    """Writer i of compress_infer, its ``[N, D]`` sums in scratch ``row``."""
+    N = wt.shape[0]
+    block = wt.shape[1]
+    acc = row[:N * D].reshape((N, D))
+    zero = acc.dtype.type(0)
+    for n in range(N):
+        for e in range(D):
+            acc[n, e] = zero
+    for j in range(0, block - GROUP + 1, GROUP):
+        p0, r0 = source[i, j, 0], source[i, j, 1]
+        p1, r1 = source[i, j + 1, 0], source[i, j + 1, 1]
+        p2, r2 = source[i, j + 2, 0], source[i, j + 2, 1]
+        p3, r3 = source[i, j + 3, 0], source[i, j + 3, 1]
+        for n in range(N):
+            a0, a1, a2, a3 = wt[n, j], wt[n, j + 1], wt[n, j + 2], wt[n, j + 3]
+            for e in range(D):
+                acc[n, e] = ((((acc[n, e] + a0 * widen(x[p0, r0, n, e]))
+                               + a1 * widen(x[p1, r1, n, e]))
+                              + a2 * widen(x[p2, r2, n, e]))
+                             + a3 * widen(x[p3, r3, n, e]))
+    for j in range(block - block % GROUP, block):
+        page = source[i, j, 0]
+        tok = source[i, j, 1]
+        for n in range(N):
+            w = wt[n, j]
+            for e in range(D):
+                acc[n, e] += w * widen(x[page, tok, n, e])
+    slot = slots[i]
+    for n in range(N):
+        for e in range(D):
+            cache[0, slot, n, e] = narrow(acc[n, e], cache)
+
+
 @jit_parallel
 def compress_infer(x, wt, cache, slots, source, D, scratch):
     """cache[0, slots[i], n] = sum_j wt[n, j] * x[page, row, n] over the (page, row) pairs
     ``source[i, j]`` of writer i's window, j in order: the with-cache operator
     (``_infer``). A unit is one writer, all heads: it reads its window's token rows
-    one after another in full (memory order within a page) and keeps the ``[N, D]``
-    sums in its thread's scratch row, starting from +0 as the training forward's do,
-    so a window gives the same bits here as there.
+    in full, GROUP at a time, into ``[N, D]`` sums in its thread's scratch row,
+    starting from +0 as the training forward's do and adding one token at a time in
+    window order, so a window gives the same bits here as there.
     """
-    N = wt.shape[0]
-    block = wt.shape[1]
     for unit in prange(slots.shape[0]):
-        i = np.int64(unit)
-        acc = scratch[get_thread_id()][:N * D].reshape((N, D))
-        zero = acc.dtype.type(0)
-        for n in range(N):
-            for e in range(D):
-                acc[n, e] = zero
-        for j in range(block):
-            page = source[i, j, 0]
-            row = source[i, j, 1]
-            for n in range(N):
-                w = wt[n, j]
-                for e in range(D):
-                    acc[n, e] += w * widen(x[page, row, n, e])
-        slot = slots[i]
-        for n in range(N):
-            for e in range(D):
-                cache[0, slot, n, e] = narrow(acc[n, e], cache)
+        _infer_writer(x, wt, cache, slots, source, D, np.int64(unit),
+                      scratch[get_thread_id()])
+
+
+@jit
+def compress_infer_serial(x, wt, cache, slots, source, D, scratch):
+    """``compress_infer`` on the calling thread, for steps with one unit's worth of
+    work (a typical decoding step: a few writers): no thread pool to size and wake.
+    Same sums, same bits."""
+    for i in range(slots.shape[0]):
+        _infer_writer(x, wt, cache, slots, source, D, i, scratch[0])
