@@ -39,13 +39,16 @@ import numpy as np
 import torch
 
 from . import _dispatch, _seqlens
-from ._errors import invalid
+from ._errors import invalid, missing
+from ._infer import InferRules, plan_infer
 from ._plan import Rules, plan_forward, plan_grad
 
-__all__ = ["npu_nsa_compress", "npu_nsa_compress_grad"]
+__all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer"]
 
 _FORWARD = "npu_nsa_compress"
 _GRAD = "npu_nsa_compress_grad"
+_INFER = "npu_nsa_compress_infer"
+_INFER_RULES = InferRules(_INFER)
 #: the checks of the NumPy API, with torch_npu's function names (its argument names
 #: are the NumPy API's) and no layouts beyond TND
 _RULES = {op: Rules(op) for op in (_FORWARD, _GRAD)}
@@ -387,3 +390,85 @@ def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_str
         grad, input, weight, _check_int(op, "compress_block_size", compress_block_size),
         _check_int(op, "compress_stride", compress_stride), *_seq_arguments(op, actual_seq_len))
     return input_grad, weight_grad
+
+
+# -- the with-cache (decoding) operator ------------------------------------------------
+
+def _index_numpy(op, name, t):
+    """A CPU integer tensor as a NumPy array (no copy), or None."""
+    if t is None:
+        return None
+    if t.device.type != "cpu":
+        raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in _INT_DTYPES:
+        raise invalid(op, f"{name} must hold integers, got dtype {t.dtype}")
+    return t.numpy()
+
+
+@torch.library.custom_op("nsa_numba::nsa_compress_infer", mutates_args=("cache",))
+def _nsa_compress_infer(input: torch.Tensor, weight: torch.Tensor, slot_mapping: torch.Tensor,
+                        compress_block_size: int, compress_stride: int, page_block_size: int,
+                        block_table: Optional[torch.Tensor], actual_seq_len: torch.Tensor,
+                        cache: torch.Tensor) -> None:
+    op = _INFER
+    plan = plan_infer(_INFER_RULES, _as_numpy(op, "input", input),
+                      _as_numpy(op, "weight", weight),
+                      _index_numpy(op, "slot_mapping", slot_mapping), compress_block_size,
+                      compress_stride, page_block_size,
+                      _index_numpy(op, "block_table", block_table),
+                      _index_numpy(op, "actual_seq_len", actual_seq_len), 1, "TND",
+                      _as_numpy(op, "cache", cache))
+    _run(plan)
+
+
+@_nsa_compress_infer.register_fake
+def _nsa_compress_infer_fake(input, weight, slot_mapping, compress_block_size, compress_stride,
+                             page_block_size, block_table, actual_seq_len, cache):
+    _check_meta(_INFER, ("input", input, input.dim()), ("weight", weight, 2),
+                ("cache", cache, 3))
+
+
+def _index_tensor(op, name, values, ndim=1):
+    """An integer tensor as it is; a list, tuple or integer array as an int64 tensor
+    (NsaError for anything that is not integers)."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if torch.compiler.is_compiling() and isinstance(values, (list, tuple)):
+        return torch.tensor(values, dtype=torch.int64)
+    if ndim == 1:
+        return torch.from_numpy(_seqlens.as_int_vector(op, name, values))
+    values = np.asarray(values)
+    if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.integer):
+        raise invalid(op, f"{name} must hold integers, got dtype {values.dtype}")
+    return torch.from_numpy(values.astype(np.int64))
+
+
+def npu_nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compress_stride,
+                           page_block_size, *, block_table=None, actual_seq_len=None,
+                           cache=None):
+    """torch_npu.npu_nsa_compress_infer on the CPU: one decoding step of the
+    compressed-KV cache, updated in place and returned (see
+    ``nsa_numba.nsa_compress_infer`` for the semantics and rules).
+
+    ``input``: paged ``[block_num, page_block_size, N, D]`` with ``block_table``
+    ``[B, blocks_per_seq]``, or packed ``[T, N, D]`` without; ``slot_mapping`` and
+    ``actual_seq_len`` (per-sequence lengths): ``[B]`` integer tensors (or lists);
+    ``cache``: ``[rows, N, D]``, required. Registered as
+    ``torch.ops.nsa_numba.nsa_compress_infer``, which declares ``cache`` mutated, so
+    it works under ``torch.compile``.
+    """
+    op = _INFER
+    if cache is None:
+        raise missing(op, "cache")
+    if actual_seq_len is None:
+        raise missing(op, "actual_seq_len")
+    if slot_mapping is None:
+        raise missing(op, "slot_mapping")
+    torch.ops.nsa_numba.nsa_compress_infer(
+        input, weight, _index_tensor(op, "slot_mapping", slot_mapping),
+        _check_int(op, "compress_block_size", compress_block_size),
+        _check_int(op, "compress_stride", compress_stride),
+        _check_int(op, "page_block_size", page_block_size),
+        None if block_table is None else _index_tensor(op, "block_table", block_table, 2),
+        _index_tensor(op, "actual_seq_len", actual_seq_len), cache)
+    return cache

@@ -363,3 +363,81 @@ def test_tensors_cross_without_copies(dtype):
     a = _as_numpy("test", "x", x)
     assert a.ctypes.data == x.data_ptr()
     assert a.strides == tuple(s * x.element_size() for s in x.stride())
+
+
+# -- the with-cache operator ---------------------------------------------------------------
+
+def infer_tensors(dtype, seed=0):
+    """A paged decoding step as tensors: 6 sequences over 8 pages of 64 tokens."""
+    from test_infer import paged_problem
+    lengths = [32, 33, 48, 80, 64, 95]
+    x, w, slots, table, cache = paged_problem(lengths, N=4, D=32, dtype=np.float32, seed=seed)
+    to = (lambda a: torch.from_numpy(a).to(dtype))
+    return (to(x), to(w), torch.from_numpy(slots).to(torch.int32),
+            torch.from_numpy(table.clip(0)).to(torch.int32), lengths, to(cache))
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_infer_updates_the_cache_in_place(dtype):
+    from nsa_numba.torch import npu_nsa_compress_infer
+    x, w, slots, table, lengths, cache = infer_tensors(dtype)
+    want = numpy_of(cache).copy()
+    nsa_numba.nsa_compress_infer(numpy_of(x), numpy_of(w), slots.numpy(), 32, 16, 64,
+                                 block_table=table.numpy(), actual_seq_len=lengths,
+                                 cache=want)
+    ptr, version = cache.data_ptr(), cache._version
+    got = npu_nsa_compress_infer(x, w, slots, 32, 16, 64, block_table=table,
+                                 actual_seq_len=torch.tensor(lengths), cache=cache)
+    assert got is cache and cache.data_ptr() == ptr
+    assert cache._version > version                 # autograd sees the mutation
+    assert same_bits(cache, want)
+
+
+def test_infer_opcheck():
+    x, w, slots, table, lengths, cache = infer_tensors(torch.float64, seed=1)
+    for args in ((x, w, slots, 32, 16, 64, table, torch.tensor(lengths), cache),
+                 (x.reshape(-1, 4, 32)[:400], w, slots, 32, 16, 64, None,
+                  torch.tensor(lengths), cache)):
+        result = torch.library.opcheck(torch.ops.nsa_numba.nsa_compress_infer.default, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor",
+                                                               marks=pytest.mark.slow)])
+def test_infer_decoding_steps_under_torch_compile(backend):
+    from nsa_numba.torch import npu_nsa_compress_infer
+    x, w, slots, table, lengths, cache = infer_tensors(torch.bfloat16, seed=2)
+
+    def step(cache, lengths):
+        npu_nsa_compress_infer(x, w, slots, 32, 16, 64, block_table=table,
+                               actual_seq_len=lengths, cache=cache)
+        return cache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    for k in range(32):                             # every sequence grows by one a step
+        now = torch.tensor([n + k for n in lengths])
+        step(eager_cache, now)
+        compiled(compiled_cache, now)
+        assert torch.equal(eager_cache.view(torch.int16), compiled_cache.view(torch.int16)), k
+    assert not torch.equal(eager_cache, cache)
+
+
+def test_infer_errors_name_the_torch_npu_function():
+    from nsa_numba.torch import npu_nsa_compress_infer
+    x, w, slots, table, lengths, cache = infer_tensors(torch.float16)
+    with pytest.raises(NsaError, match="^npu_nsa_compress_infer: cache is required") as info:
+        npu_nsa_compress_infer(x, w, slots, 32, 16, 64, block_table=table,
+                               actual_seq_len=lengths)
+    assert info.value.status == 161001
+    with pytest.raises(NsaError, match=r"^npu_nsa_compress_infer: block_table\[0, 0\] = 99 "
+                                       r"is outside the 15 pages"):
+        npu_nsa_compress_infer(x, w, slots, 32, 16, 64, block_table=table * 0 + 99,
+                               actual_seq_len=lengths, cache=cache)
+    with pytest.raises(NsaError, match="^npu_nsa_compress_infer: page_block_size must be 64 "
+                                       "or 128, got 32") as info:
+        npu_nsa_compress_infer(x, w, slots, 32, 16, 32, block_table=table,
+                               actual_seq_len=lengths, cache=cache)
+    assert info.value.status == 561002
