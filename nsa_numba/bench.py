@@ -360,6 +360,8 @@ def main(args):
             torch.set_num_threads(threads)
         except ImportError:
             use_torch = False
+    if args.infer:
+        return main_infer(args, threads, use_torch)
     shapes = args.shape or DEFAULT_SHAPES
     views = ("contiguous",) + (NON_CONTIGUOUS if args.strided else ())
     cases = [Case(*shape, dtype=dt, view=view)
@@ -407,6 +409,134 @@ def main_overhead(args, threads):
     return 0
 
 
+# -- the with-cache (decoding) operator ------------------------------------------------
+
+#: ``--infer`` cases: name -> (sequences B, of which writing, heads N); D = 128,
+#: l = 32, d = 16, page 128
+INFER_CASES = {
+    "typical step": (32, 2, 8),
+    "one sequence": (1, 1, 8),
+    "large step": (256, 256, 64),
+}
+INFER_WINDOW = dict(D=128, block=32, stride=16, page=128)
+
+
+def infer_problem(B, writers, N, dtype, D=128, block=32, stride=16, page=128, seed=0):
+    """A paged decoding step: B sequences of 32 to 255 tokens, ``writers`` of them on a
+    window boundary, pages shuffled over the pool, the cache as small as the NPU
+    allows. Every page holds the same random values (making a pool of up to 0.5 GiB
+    of distinct ones would take longer than the benchmark). -> (x, w, slot_mapping,
+    block_table, actual_seq_len, cache)."""
+    dtype = numpy_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    on = rng.permutation(B) < writers
+    windows = rng.integers(0, (2 * page - block) // stride, B)
+    lengths = block + stride * windows + np.where(on, 0, rng.integers(1, stride, B))
+    per_seq = -(-int(lengths.max()) // page)
+    pages = B * per_seq
+    x = np.empty((pages, page, N, D), dtype)
+    x[...] = rng.standard_normal((page, N, D), np.float32).astype(dtype)
+    w = rng.standard_normal((block, N), np.float32).astype(dtype)
+    table = rng.permutation(pages).reshape(B, per_seq).astype(np.int32)
+    rows = max(B, (pages * page - block) // stride + 1)
+    cache = np.zeros((rows, N, D), dtype)
+    slots = rng.permutation(rows)[:B].astype(np.int32)
+    return x, w, slots, table, lengths, cache
+
+
+def torch_infer_step(torch, x, w, slots, table, lengths, cache, block, stride, page):
+    """The step in plain PyTorch: the writers, a batched gather of their windows
+    through the block table, one einsum in float32, one scatter into the cache."""
+    on = (lengths >= block) & ((lengths - block) % stride == 0)
+    b = on.nonzero().squeeze(1)
+    pos = lengths[b, None] - block + torch.arange(block)
+    windows = x[table[b[:, None], pos // page], pos % page]           # [W, l, N, D]
+    rows = torch.einsum("wlnd,ln->wnd", windows.float(), w.float())
+    cache[slots[b].long()] = rows.to(cache.dtype)
+
+
+def run_infer_case(name, dtype, repeat, copy, use_torch, flush):
+    """Per-call time of the NumPy API (and of ``torch_infer_step``) on one case; for a
+    step that moves more than the caches hold, GB/s against the copy of the same rounds
+    (caches flushed before each timed call)."""
+    import timeit
+    B, writers, N = INFER_CASES[name]
+    x, w, slots, table, lengths, cache = infer_problem(B, writers, N, dtype)
+    win = INFER_WINDOW
+
+    def call():
+        api.nsa_compress_infer(x, w, slots, win["block"], win["stride"], win["page"],
+                               block_table=table, actual_seq_len=lengths, cache=cache)
+
+    moved = writers * N * win["D"] * (win["block"] + 1) * x.itemsize
+    big = moved > (64 << 20)
+    result = dict(case=name, dtype=dtype, B=B, writers=writers, N=N, bytes=moved)
+    if big:
+        copy_fn, copy_bytes = copy
+        t_copy, t = (np.array(v) for v in round_times([copy_fn, call], repeat, settle=flush))
+        result.update(us=float(np.median(t) * 1e6), copy_gbs=copy_bytes / np.median(t_copy) / 1e9,
+                      pct_copy=float(np.median(100 * (moved / t) / (copy_bytes / t_copy))))
+    else:
+        call()
+        calls = 500
+        t = [min(timeit.repeat(call, number=calls, repeat=3)) / calls for _ in range(repeat)]
+        result["us"] = float(np.median(t) * 1e6)
+    result["gbs"] = moved / result["us"] / 1e3
+    if use_torch:
+        import torch
+        args = [torch.from_numpy(np.asarray(a, np.float32 if a.dtype.kind in "fV" else None))
+                for a in (x, w)]
+        tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        tx, tw = (a.to(tdtype) for a in args)
+        tcache = torch.zeros(cache.shape, dtype=tdtype)
+        targs = (tx, tw, torch.from_numpy(slots), torch.from_numpy(table).long(),
+                 torch.from_numpy(lengths), tcache, win["block"], win["stride"], win["page"])
+        fn = (lambda: torch_infer_step(torch, *targs))
+        number = 1 if big else 200
+        fn()
+        best = min(min(timeit.repeat(fn, number=number, repeat=3)) / number
+                   for _ in range(max(1, repeat // 3)))
+        result["torch_us"] = best * 1e6
+        result["speedup"] = result["torch_us"] / result["us"]
+    return result
+
+
+def format_infer(results):
+    head = (f"{'case':<14}{'dtype':<7}{'B':>5}{'write':>6}{'N':>4}{'us':>10}{'GB/s':>8}"
+            f"{'% copy':>8}{'torch us':>11}{'x torch':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        pct = f"{r['pct_copy']:>7.0f}%" if "pct_copy" in r else f"{'-':>8}"
+        tcols = (f"{r['torch_us']:>11.1f}{r['speedup']:>8.1f}x" if "torch_us" in r
+                 else f"{'-':>11}{'-':>9}")
+        lines.append(f"{r['case']:<14}{r['dtype']:<7}{r['B']:>5}{r['writers']:>6}{r['N']:>4}"
+                     f"{r['us']:>10.1f}{r['gbs']:>8.1f}{pct}{tcols}")
+    return "\n".join(lines)
+
+
+def main_infer(args, threads, use_torch):
+    dtypes = args.dtype
+    copy = copy_task(256 << 20)
+    flush = CacheFlush()
+    results = []
+    cases = [(name, dt) for name in INFER_CASES for dt in dtypes]
+    for i, (name, dt) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
+        results.append(run_infer_case(name, dt, args.repeat, copy, use_torch, flush))
+    copies = [r["copy_gbs"] for r in results if "copy_gbs" in r]
+    span = f"{min(copies):.1f}-{max(copies):.1f} GB/s" if copies else "not measured"
+    print(f"nsa_numba bench --infer: {threads} thread(s); NumPy API per call, medians of "
+          f"{args.repeat} rounds; D=128 l=32 d=16 page 128; copy bandwidth {span} "
+          f"(large step: caches flushed before each call)")
+    print(format_infer(results))
+    if not use_torch:
+        print("(PyTorch columns: not installed or --no-torch)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=threads, repeat=args.repeat, infer=results), f, indent=2)
+    return 0
+
+
 def add_arguments(parser):
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="T,N,D,l,d,seqs",
                         help="a problem to run (repeatable); default: the three reference "
@@ -425,6 +555,10 @@ def add_arguments(parser):
                              "caches in the same rounds, and print its GB/s: the ceiling "
                              "of a kernel that mostly reads")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--infer", action="store_true",
+                        help="instead: the with-cache (decoding) operator on three steps "
+                             "(typical, one sequence, large), against the PyTorch gather + "
+                             "einsum step")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: the per-call time of the torch functions on a tiny "
                              "problem against the NumPy API and an empty custom op "

@@ -33,6 +33,26 @@ def test_benchmark_classes_run_once(cls):
                 assert value > 0
 
 
+def test_infer_benchmark_runs():
+    bench = suite.InferStep()
+    for case in suite.InferStep.params[0][:2]:      # the small steps
+        bench.setup(case, "fp16")
+        bench.time_step(case, "fp16")
+
+
+def test_bench_infer_command(tmp_path):
+    out = tmp_path / "infer.json"
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--infer", "--dtype",
+                           "fp16", "--repeat", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["infer"]
+    assert [r["case"] for r in results] == ["typical step", "one sequence", "large step"]
+    for r in results:
+        assert r["us"] > 0 and r["gbs"] > 0
+    assert results[-1]["pct_copy"] > 0 and "pct_copy" not in results[0]
+
+
 def test_torch_overhead_benchmark_runs():
     pytest.importorskip("torch")
     bench = suite.TorchOverhead()

@@ -1,4 +1,4 @@
-"""asv benchmarks of nsa_numba's forward and backward.
+"""asv benchmarks of nsa_numba's forward, backward and with-cache operators.
 
 Shapes are the reference ones of ``python -m nsa_numba bench``. Compilation is
 warmed up in ``setup`` (never at import: a parallel Numba call while asv imports
@@ -8,7 +8,7 @@ relate time to the memory copy bandwidth measured in the same ``setup``.
 
 import numpy as np
 
-from nsa_numba import bench, nsa_compress, nsa_compress_grad
+from nsa_numba import bench, nsa_compress, nsa_compress_grad, nsa_compress_infer
 
 SHAPES = {f"T={T},N={N},D={D},l={l},d={d},seqs={s}": (T, N, D, l, d, s)
           for T, N, D, l, d, s in bench.DEFAULT_SHAPES}
@@ -85,6 +85,26 @@ class Throughput(_Problem):
 
     track_forward_gbs.unit = track_backward_gbs.unit = "GB/s"
     track_forward_pct_of_copy.unit = track_backward_pct_of_copy.unit = "%"
+
+
+class InferStep:
+    """One decoding step of the with-cache operator through the NumPy API
+    (``python -m nsa_numba bench --infer`` has the same cases)."""
+    params = [list(bench.INFER_CASES), ["bf16", "fp16"]]
+    param_names = ["case", "dtype"]
+    timeout = 300
+
+    def setup(self, case, dtype):
+        B, writers, N = bench.INFER_CASES[case]
+        self.x, self.w, self.slots, self.table, self.lengths, self.cache = \
+            bench.infer_problem(B, writers, N, dtype)
+        self.time_step(case, dtype)            # compile (or load) outside the timing
+
+    def time_step(self, case, dtype):
+        win = bench.INFER_WINDOW
+        nsa_compress_infer(self.x, self.w, self.slots, win["block"], win["stride"],
+                           win["page"], block_table=self.table, actual_seq_len=self.lengths,
+                           cache=self.cache)
 
 
 class TorchOverhead:
