@@ -436,3 +436,196 @@ def test_invalid_run_is_rejected(case):
     assert status in REJECTED, (status, aclGetRecentErrMsg())
     assert aclGetRecentErrMsg()
     _assert_unchanged(snapshot)
+
+
+# -- the with-cache (decoding) operator ------------------------------------------------------
+
+from nsa_numba.aclnn import (ACLNN_ERR_INNER_TILING_ERROR,  # noqa: E402
+                             aclnnNsaCompressWithCache,
+                             aclnnNsaCompressWithCacheGetWorkspaceSize)
+
+INFER_REJECTED = REJECTED | {ACLNN_ERR_INNER_TILING_ERROR}
+INFER_PY_PARAMS = ["input", "weight", "slot_mapping", "compress_block_size",
+                   "compress_stride", "page_block_size", "block_table", "actual_seq_len",
+                   "layout", "cache"]
+INFER_C_PARAMS = ["input", "weight", "slotMapping", "compressBlockSize", "compressStride",
+                  "pageBlockSize", "blockTableOptional", "actSeqLenOptional", "layoutOptional",
+                  "outputCache", "actSeqLenType"]
+
+
+@st.composite
+def valid_infer_calls(draw):
+    """A valid strict float16/bfloat16 decoding step with at least one writer, int32
+    indices (what the aclnn takes)."""
+    dtype = np.dtype(draw(st.sampled_from([np.float16, ml_dtypes.bfloat16])))
+    N = draw(st.integers(1, 3))
+    D = 16 * draw(st.integers(1, 2))
+    stride = 16 * draw(st.integers(1, 2))
+    block = 16 * draw(st.integers(stride // 16, 4))
+    page = draw(st.sampled_from([64, 128]))
+    paged = draw(st.booleans())
+    lengths = draw(st.lists(st.integers(0, 200), min_size=1, max_size=4))
+    lengths[0] = block + stride * draw(st.integers(0, 3))          # a writer
+    B = len(lengths)
+    per_seq = -(-max(lengths) // page)
+    pages = B * per_seq
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    rows = max(B, (pages * page - block) // stride + 1) if paged else B + 2
+    call = dict(dtype=dtype, block=block, stride=stride, page=page, lengths=lengths,
+                seq=list(lengths), layout="TND", seq_type=1,
+                weight=rng.standard_normal((block, N)).astype(dtype),
+                slot_mapping=rng.permutation(rows)[:B].astype(np.int32),
+                cache=rng.standard_normal((rows, N, D)).astype(dtype))
+    if paged:
+        call["input"] = rng.standard_normal((pages, page, N, D)).astype(dtype)
+        call["block_table"] = rng.permutation(pages).reshape(B, per_seq).astype(np.int32)
+    else:
+        call["input"] = rng.standard_normal((sum(lengths), N, D)).astype(dtype)
+        call["block_table"] = None
+    return call
+
+
+def _writers(call):
+    return [b for b, s in enumerate(call["lengths"])
+            if s >= call["block"] and (s - call["block"]) % call["stride"] == 0]
+
+
+@st.composite
+def infer_mutations(draw):
+    """A valid step with one argument broken so that no rule accepts it."""
+    call = draw(valid_infer_calls())
+    paged = call["block_table"] is not None
+    keys = ["input", "weight", "cache", "slot_mapping", "seq", "block", "stride", "page"]
+    keys += ["block_table"] if paged else ["layout"]
+    key = draw(st.sampled_from(keys))
+    writer = _writers(call)[0]
+    good = call.get(key)
+    if key in ("input", "weight", "cache"):
+        how = draw(st.sampled_from(["none", "not-array", "dtype", "ndim", "heads"]
+                                   + (["readonly", "short"] if key == "cache" else [])))
+        note(f"{key}: {how}")
+        if how == "none":
+            value = None
+        elif how == "not-array":
+            value = draw(NOT_ARRAYS)
+        elif how == "dtype":
+            value = good.astype(np.dtype(draw(st.sampled_from(
+                [np.int16, np.float32, np.uint8, _other_half(good.dtype)]))))
+            if key == "input" and value.dtype == np.float32:
+                value = value.astype(np.int32)          # float32 input: valid in Python
+        elif how == "ndim":
+            value = good.reshape(good.shape + (1,))
+        elif how == "heads":
+            shape = list(good.shape)
+            shape[-1 if key != "weight" else 1] += 1
+            value = np.zeros(shape, good.dtype)
+        elif how == "readonly":
+            good.flags.writeable = False
+            value = good
+        else:   # too few rows for the writer's slot
+            value = good[:int(call["slot_mapping"][writer])]
+        call[key] = value
+    elif key == "slot_mapping":
+        how = draw(st.sampled_from(["none", "range", "negative", "repeat", "float", "2d",
+                                    "length"]))
+        note(f"slot_mapping: {how}")
+        slots = good.copy()
+        if how == "none":
+            slots = None
+        elif how == "range":
+            slots[writer] = call["cache"].shape[0] + draw(st.integers(0, 5))
+        elif how == "negative":
+            slots[writer] = -draw(st.integers(1, 5))
+        elif how == "repeat":
+            call["seq"] = call["seq"] + [call["seq"][writer]]
+            call["lengths"] = call["seq"]
+            slots = np.append(slots, slots[writer]).astype(np.int32)
+            if paged:
+                call["block_table"] = np.concatenate(
+                    [call["block_table"], call["block_table"][writer:writer + 1]])
+        elif how == "float":
+            slots = slots.astype(np.float32)
+        elif how == "2d":
+            slots = slots[:, None]
+        else:
+            slots = slots[:-1] if slots.size > 1 else np.append(slots, 0).astype(np.int32)
+        call["slot_mapping"] = slots
+    elif key == "seq":
+        how = draw(st.sampled_from(["none", "negative", "float", "length", "long"]))
+        note(f"actual_seq_len: {how}")
+        seq = list(call["seq"])
+        if how == "none":
+            seq = None
+        elif how == "negative":
+            seq[draw(st.integers(0, len(seq) - 1))] = -draw(st.integers(1, 100))
+        elif how == "float":
+            seq[writer] = float(seq[writer])
+        elif how == "length":
+            seq = seq + [0]
+        else:   # beyond the block table's capacity, or past T
+            capacity = (call["block_table"].shape[1] * call["page"] if paged
+                        else call["input"].shape[0])
+            seq[writer] = capacity + draw(st.integers(1, 40))
+        call["seq"] = seq
+    elif key == "block_table":
+        how = draw(st.sampled_from(["range", "negative", "rows", "float", "capacity"]))
+        note(f"block_table: {how}")
+        table = good.copy()
+        s = call["lengths"][writer]
+        col = (s - call["block"]) // call["page"]          # the page of the window's start
+        if how == "range":
+            table[writer, col] = call["input"].shape[0] + draw(st.integers(0, 5))
+        elif how == "negative":
+            table[writer, col] = -1
+        elif how == "rows":
+            table = table[1:] if table.shape[0] > 1 else np.concatenate([table, table])
+        elif how == "float":
+            table = table.astype(np.float32)
+        else:
+            table = table[:, :col] if col else table[:, :0]
+        call["block_table"] = table
+    elif key == "layout":
+        call["layout"] = draw(LAYOUT_TEXT.filter(lambda v: v != "TND"))
+    else:
+        value = draw(st.sampled_from({
+            "block": [0, -16, 40, 80, 32.0, "32", None, call["stride"] - 16 or -1],
+            "stride": [0, 8, 80, 16.0, True, call["block"] + 16],
+            "page": [0, 32, 96, 256, 64.0, None]}[key]))
+        note(f"{key}: {value!r}")
+        call[key] = value
+    return call
+
+
+def _infer_snapshot(call):
+    return {k: (call[k], call[k].copy()) for k in ("input", "weight", "cache", "slot_mapping",
+                                                     "block_table")
+            if isinstance(call.get(k), np.ndarray) and call[k].dtype != object}
+
+
+@given(infer_mutations())
+def test_invalid_decoding_step_is_rejected_by_both_apis(call):
+    snapshot = _infer_snapshot(call)
+    try:
+        nsa_numba.nsa_compress_infer(call["input"], call["weight"], call["slot_mapping"],
+                                     call["block"], call["stride"], call["page"],
+                                     block_table=call["block_table"], actual_seq_len=call["seq"],
+                                     layout=call["layout"], cache=call["cache"])
+    except NsaError as err:
+        assert err.status in INFER_REJECTED, err.status
+        assert any(name in str(err) for name in INFER_PY_PARAMS), str(err)
+        note(str(err))
+    else:
+        raise AssertionError("the Python API accepted an invalid decoding step")
+    _assert_unchanged(snapshot)
+    aclGetRecentErrMsg()
+    status, size, executor = aclnnNsaCompressWithCacheGetWorkspaceSize(
+        call["input"], call["weight"], call["slot_mapping"], call["seq"], call["block_table"],
+        call["layout"], call["block"], call["stride"], call["seq_type"], call["page"],
+        call["cache"])
+    if status == ACLNN_SUCCESS:
+        status = aclnnNsaCompressWithCache(np.empty(size, np.uint8), size, executor)
+        raise AssertionError(f"the aclnn mirror accepted an invalid decoding step ({status})")
+    assert status in INFER_REJECTED, (status, aclGetRecentErrMsg())
+    message = aclGetRecentErrMsg()
+    assert any(name in message for name in INFER_C_PARAMS), message
+    _assert_unchanged(snapshot)

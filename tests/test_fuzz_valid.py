@@ -130,3 +130,82 @@ def test_generated_problem_matches_reference(p):
                                            weight_grad=dw, **kw)
     assert dx is None or (rdx is dx and rdw is dw)
     assert_grad_accurate(_as_tnd(rdx, p), rdw, g, x, w, *ref_args)
+
+
+# -- the with-cache (decoding) operator ------------------------------------------------------
+
+@st.composite
+def infer_problems(draw):
+    strict = draw(st.booleans())
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    N = draw(st.integers(1, 4))
+    if strict:
+        D = 16 * draw(st.integers(1, 3))
+        stride = 16 * draw(st.integers(1, 2))
+        block = 16 * draw(st.integers(stride // 16, 4))
+        page = draw(st.sampled_from([64, 128]))
+    else:
+        D = draw(st.integers(1, 40))
+        block = draw(st.integers(1, 24))
+        stride = draw(st.integers(1, 30))
+        page = draw(st.integers(1, 40))
+    paged = draw(st.booleans())
+    lengths = draw(st.lists(st.integers(0, 3 * block + 2 * stride), min_size=1, max_size=6))
+    if draw(st.booleans()):   # several writers: put some on a boundary
+        for b in range(len(lengths)):
+            if draw(st.booleans()):
+                lengths[b] = block + stride * draw(st.integers(0, 3))
+    B = len(lengths)
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = np.random.default_rng(seed)
+    writers = [b for b, s in enumerate(lengths) if s >= block and (s - block) % stride == 0]
+    per_seq = max(1, -(-max(lengths) // page))
+    pages = B * per_seq + draw(st.integers(0, 2))
+    rows_min = B
+    if strict and paged:
+        rows_min = max(rows_min, (pages * page - block) // stride + 1)
+    rows = rows_min + draw(st.integers(0, 3))
+    slots = rng.permutation(rows)[:B]
+    if not strict and len(writers) > 1 and draw(st.booleans()):
+        slots[writers[-1]] = slots[writers[0]]        # a repeated row: the last one wins
+    memory = {role: draw(st.sampled_from(list(MEMORY))) for role in ("input", "weight", "cache")}
+    index_type = draw(st.sampled_from(["int32", "int64", "uint16", "list"]))
+    return dict(strict=strict, dtype=dtype, N=N, D=D, block=block, stride=stride, page=page,
+                paged=paged, lengths=lengths, pages=pages, per_seq=per_seq, rows=rows,
+                slots=slots, memory=memory, index_type=index_type, seed=seed)
+
+
+@given(infer_problems())
+def test_generated_decoding_step_matches_reference(p):
+    note(f"problem: {p}")
+    rng = np.random.default_rng(p["seed"])
+    N, D, block, page = p["N"], p["D"], p["block"], p["page"]
+    lengths, dtype = p["lengths"], p["dtype"]
+    w = rng.standard_normal((block, N)).astype(dtype)
+    cache = rng.standard_normal((p["rows"], N, D)).astype(dtype)
+    if p["paged"]:
+        x = rng.standard_normal((p["pages"], page, N, D)).astype(dtype)
+        pool = rng.permutation(p["pages"])
+        table = np.full((len(lengths), p["per_seq"]), -1, np.int64)   # padding: never read
+        for b, s in enumerate(lengths):
+            used = -(-s // page)
+            table[b, :used] = pool[b * p["per_seq"]:b * p["per_seq"] + used]
+    else:
+        spare = int(rng.integers(p["strict"] and not sum(lengths), 3))   # strict: not empty
+        x = rng.standard_normal((sum(lengths) + spare, N, D)).astype(dtype)
+        table = None
+    index = {"list": lambda a: a.tolist()}.get(p["index_type"],
+                                               lambda a: a.astype(p["index_type"]))
+    if p["index_type"] == "uint16" and table is not None:
+        table = table.clip(0)            # unsigned: padding with a page that exists
+    xs = MEMORY[p["memory"]["input"]](x)
+    ws = MEMORY[p["memory"]["weight"]](w)
+    cs = MEMORY[p["memory"]["cache"]](cache.copy())
+    got = nsa_numba.nsa_compress_infer(
+        xs, ws, index(p["slots"]), block, p["stride"], page,
+        block_table=None if table is None else index(table), actual_seq_len=lengths,
+        cache=cs, strict=p["strict"])
+    assert got is cs
+    from test_infer import check_step
+    check_step(np.asarray(cs), cache, x, w, p["slots"], block, p["stride"], page, lengths,
+               table)
