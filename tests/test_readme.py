@@ -28,3 +28,10 @@ def test_training_example_runs():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = re.findall(r"^step (\d): (\d) sequences, loss ([0-9.]+)$", proc.stdout, re.M)
     assert [int(s) for s, _, _ in steps] == [0, 1, 2, 3]
+
+
+def test_decoding_example_runs():
+    proc = subprocess.run([sys.executable, "-c", example("decoding")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[0 2 4]"
