@@ -409,6 +409,62 @@ def main_overhead(args, threads):
     return 0
 
 
+# -- memory -----------------------------------------------------------------------------
+
+#: run in a new process: the peak resident memory (VmHWM) is reset through
+#: /proc/self/clear_refs once the arrays exist and the kernels are loaded, so the
+#: peak seen afterwards is the call's own
+_MEMORY_SCRIPT = r"""
+import json, sys
+import numpy as np
+from nsa_numba import aclnn, bench, nsa_compress, nsa_compress_grad
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+case = bench.Case(*json.loads(sys.argv[1]))
+x, w, g, out, seq = bench.make_data(case)
+l, d = case.block, case.stride
+dx, dw = np.ones_like(x), np.ones_like(w)
+nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq, input_grad=dx, weight_grad=dw)
+result = {}
+for op, call, ws in (
+        ("forward", lambda: nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+         aclnn.aclnnNsaCompressGetWorkspaceSize(x, w, seq, "TND", l, d, 0, out)[1]),
+        ("backward", lambda: nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                               input_grad=dx, weight_grad=dw),
+         aclnn.aclnnNsaCompressGradGetWorkspaceSize(g, x, w, seq, l, d, 0, "TND", dx,
+                                                    dw)[1])):
+    rss = status("VmRSS")
+    reset_peak()
+    call()
+    result[op] = dict(added=status("VmHWM") - rss, workspace=ws)
+print(json.dumps(result))
+"""
+
+
+def call_memory(case):
+    """{op: {"added": bytes, "workspace": bytes}}: the peak resident memory a forward
+    and a backward call of ``case`` add above what the process held before the call
+    (outputs given, kernels loaded), and the workspace size the aclnn API announces
+    for it; measured in a new process. None where the peak cannot be reset (Linux's
+    /proc/self/clear_refs is needed)."""
+    import os
+    import subprocess
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        return None
+    fields = [case.T, case.N, case.D, case.block, case.stride, case.sequences, case.dtype]
+    child = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, json.dumps(fields)],
+                           capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 # -- the with-cache (decoding) operator ------------------------------------------------
 
 #: ``--infer`` cases: name -> (sequences B, of which writing, heads N); D = 128,

@@ -3,7 +3,8 @@
 Shapes are the reference ones of ``python -m nsa_numba bench``. Compilation is
 warmed up in ``setup`` (never at import: a parallel Numba call while asv imports
 the module breaks its forkserver with some threading layers). ``track_`` figures
-relate time to the memory copy bandwidth measured in the same ``setup``.
+come from one measurement per case made in ``setup_cache`` (``Throughput``,
+``Memory``, ``TorchOverhead``).
 """
 
 import numpy as np
@@ -43,48 +44,99 @@ class Forward(_Problem):
     def time_forward(self, shape, dtype):
         self.forward()
 
-    def peakmem_forward(self, shape, dtype):
-        self.forward()
-
 
 class Backward(_Problem):
     def time_backward(self, shape, dtype):
         self.backward()
 
-    def peakmem_backward(self, shape, dtype):
-        self.backward()
+
+def _cases(params):
+    return [(shape, dtype) for shape in params[0] for dtype in params[1]]
 
 
-class Throughput(_Problem):
-    """GB/s and % of the copy bandwidth, as ``python -m nsa_numba bench`` measures them
-    (medians of rounds timing the copy and both calls in turn, caches flushed between)."""
-    repeat = 1
-    number = 1
+class Throughput:
+    """GB/s, % of the copy bandwidth and speed-up over PyTorch, as ``python -m nsa_numba
+    bench`` measures them: one measurement per case (``rounds`` rounds timing the copy
+    and both calls in turn, caches flushed between; medians), shared by the track_
+    methods, so a case's figures all come from the same rounds. Ratios to the copy of
+    the same rounds are what to track across commits: absolute rates drift with the
+    load on a shared machine."""
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 1800
+    rounds = 11
 
-    def setup(self, shape, dtype):
-        super().setup(shape, dtype)
-        item = self.x.dtype.itemsize
-        copy_fn, copy_bytes = bench.copy_task(2 * self.x.nbytes)
-        t_copy, t_fwd, t_bwd = (np.median(t) for t in bench.round_times(
-            [copy_fn, self.forward, self.backward], 5, settle=bench.CacheFlush()))
-        self.copy_gbs = copy_bytes / t_copy / 1e9
-        self.fwd_gbs = (self.x.size + self.out.size) * item / t_fwd / 1e9
-        self.bwd_gbs = (2 * self.x.size + self.g.size) * item / t_bwd / 1e9
+    def setup_cache(self):
+        cases = {key: bench.Case(*SHAPES[key[0]], dtype=key[1]) for key in _cases(self.params)}
+        biggest = max(c.T * c.N * c.D * bench.numpy_dtype(c.dtype).itemsize
+                      for c in cases.values())
+        copy = bench.copy_task(2 * biggest)
+        flush = bench.CacheFlush()
+        try:
+            import torch  # noqa: F401
+            use_torch = True
+        except ImportError:
+            use_torch = False
+        return {key: bench.run_case(case, self.rounds, copy, use_torch, flush)
+                for key, case in cases.items()}
 
-    def track_forward_gbs(self, shape, dtype):
-        return self.fwd_gbs
+    def track_forward_pct_of_copy(self, results, shape, dtype):
+        return round(results[shape, dtype]["forward"]["pct_copy"])
 
-    def track_backward_gbs(self, shape, dtype):
-        return self.bwd_gbs
+    def track_backward_pct_of_copy(self, results, shape, dtype):
+        return round(results[shape, dtype]["backward"]["pct_copy"])
 
-    def track_forward_pct_of_copy(self, shape, dtype):
-        return 100 * self.fwd_gbs / self.copy_gbs
+    def track_forward_gbs(self, results, shape, dtype):
+        return round(results[shape, dtype]["forward"]["gbs"], 1)
 
-    def track_backward_pct_of_copy(self, shape, dtype):
-        return 100 * self.bwd_gbs / self.copy_gbs
+    def track_backward_gbs(self, results, shape, dtype):
+        return round(results[shape, dtype]["backward"]["gbs"], 1)
 
-    track_forward_gbs.unit = track_backward_gbs.unit = "GB/s"
+    def track_forward_x_torch(self, results, shape, dtype):
+        """How many times faster than PyTorch's unfold + einsum (NaN without torch)."""
+        return round(results[shape, dtype]["forward"].get("speedup", float("nan")), 1)
+
+    def track_backward_x_torch(self, results, shape, dtype):
+        return round(results[shape, dtype]["backward"].get("speedup", float("nan")), 1)
+
     track_forward_pct_of_copy.unit = track_backward_pct_of_copy.unit = "%"
+    track_forward_gbs.unit = track_backward_gbs.unit = "GB/s"
+    track_forward_x_torch.unit = track_backward_x_torch.unit = "x"
+
+
+class Memory:
+    """MiB of resident memory a call adds above what the process held before it
+    (outputs given, kernels loaded; peak reset through /proc, in a new process per
+    case), next to the workspace the aclnn API announces for the same call."""
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 900
+
+    def setup_cache(self):
+        return {key: bench.call_memory(bench.Case(*SHAPES[key[0]], dtype=key[1]))
+                for key in _cases(self.params)}
+
+    def setup(self, results, shape, dtype):
+        if results[shape, dtype] is None:
+            raise NotImplementedError("needs Linux /proc/self/clear_refs")
+
+    def _mib(self, results, shape, dtype, op, what):
+        return round(results[shape, dtype][op][what] / (1 << 20), 2)
+
+    def track_forward_added_mib(self, results, shape, dtype):
+        return self._mib(results, shape, dtype, "forward", "added")
+
+    def track_forward_workspace_mib(self, results, shape, dtype):
+        return self._mib(results, shape, dtype, "forward", "workspace")
+
+    def track_backward_added_mib(self, results, shape, dtype):
+        return self._mib(results, shape, dtype, "backward", "added")
+
+    def track_backward_workspace_mib(self, results, shape, dtype):
+        return self._mib(results, shape, dtype, "backward", "workspace")
+
+    track_forward_added_mib.unit = track_forward_workspace_mib.unit = "MiB"
+    track_backward_added_mib.unit = track_backward_workspace_mib.unit = "MiB"
 
 
 class InferStep:
@@ -125,20 +177,20 @@ class TorchOverhead:
             raise NotImplementedError("torch is not installed")
 
     def track_forward_torch_us(self, us):
-        return us["forward, torch"]
+        return round(us["forward, torch"], 1)
 
     def track_forward_numpy_us(self, us):
-        return us["forward, NumPy"]
+        return round(us["forward, NumPy"], 1)
 
     def track_empty_custom_op_us(self, us):
-        return us["empty custom op"]
+        return round(us["empty custom op"], 1)
 
     def track_forward_bridge_us(self, us):
         """What the torch forward adds to the NumPy call beyond an empty custom op."""
-        return us["forward, torch"] - us["forward, NumPy"] - us["empty custom op"]
+        return round(us["forward, torch"] - us["forward, NumPy"] - us["empty custom op"], 1)
 
     def track_backward_bridge_us(self, us):
-        return us["backward, torch"] - us["backward, NumPy"] - us["empty custom op"]
+        return round(us["backward, torch"] - us["backward, NumPy"] - us["empty custom op"], 1)
 
     track_forward_torch_us.unit = track_forward_numpy_us.unit = "us"
     track_empty_custom_op_us.unit = "us"
