@@ -38,6 +38,7 @@ from ._jit import BOUNDSCHECK, jit
 from ._layouts import c_carrier
 from ._plan import (ACCUMULATOR, BFLOAT16, FLOAT16, FLOAT32, FLOAT64, STORAGE, TILE_ELEMENTS,
                     WORKSPACE_ALIGN, kind_of, overlaps, scratch_slots)
+from ._plan import check_array as _array, check_int as _int
 
 PY_NAMES = {
     "input": "input", "weight": "weight", "slot_mapping": "slot_mapping",
@@ -112,27 +113,6 @@ class InferPlan:
 
 
 # -- argument checks -------------------------------------------------------------------
-
-def _int(rules, key, value):
-    return _seqlens.as_int64(rules.op, rules.names[key], value)
-
-
-def _array(rules, key, a, ndim, dims):
-    name = rules.names[key]
-    if a is None:
-        raise missing(rules.op, name)
-    if not isinstance(a, np.ndarray):
-        raise invalid(rules.op, f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim not in ndim:
-        raise invalid(rules.op, f"{name} must be {dims}, got a {a.ndim}-D array of shape "
-                                f"{a.shape}")
-    if kind_of(a.dtype) not in rules.dtypes:
-        raise invalid(rules.op, f"{name} dtype must be one of {', '.join(rules.dtypes)}, "
-                                f"got {a.dtype}")
-    if rules.strict and a.size == 0:
-        raise invalid(rules.op, f"{name} must not be empty, got shape {a.shape}")
-    return a
-
 
 def _indices(rules, key, values, ndim):
     """slot_mapping / block_table as int64, or NsaError: an integer array of ``ndim``
@@ -330,16 +310,16 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
                          f"the only kind this operator takes), got {seq_type}")
     _check_window(rules, block, stride, page)
     paged = block_table is not None
-    x = _array(rules, "input", x, (4,) if paged else (3,),
-               f"4-D [block_num, {names['page']}, N, D] with a {names['block_table']}"
-               if paged else f"3-D [T, N, D] without a {names['block_table']}")
+    x = _array(rules, "input", x, 4 if paged else 3,
+               f"[block_num, {names['page']}, N, D] (with a {names['block_table']})"
+               if paged else f"[T, N, D] (without a {names['block_table']})")
     if not paged:
         _check_layout(rules, layout)
     N, D = x.shape[-2:]
     if paged and x.shape[1] != page:
         raise invalid(op, f"{names['input']}.shape[1] must equal {names['page']} = {page} "
                           f"(input [block_num, {names['page']}, N, D]), got shape {x.shape}")
-    weight = _array(rules, "weight", weight, (2,), f"2-D [{names['block']}, N]")
+    weight = _array(rules, "weight", weight, 2, f"[{names['block']}, N]")
     if weight.dtype != x.dtype:
         raise invalid(op, f"{names['weight']} dtype must equal {names['input']} dtype "
                           f"{x.dtype}, got {weight.dtype}")
@@ -350,7 +330,7 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
         raise invalid(op, f"{names['weight']} must have shape ({names['block']}, N) = "
                           f"({block}, {N}), got {weight.shape}")
     _check_heads(rules, N, D)
-    cache = _array(rules, "cache", cache, (3,), "3-D [rows, N, D]")
+    cache = _array(rules, "cache", cache, 3, "[rows, N, D]")
     if cache.dtype != x.dtype:
         raise invalid(op, f"{names['cache']} dtype must equal {names['input']} dtype "
                           f"{x.dtype}, got {cache.dtype}")

@@ -192,11 +192,11 @@ class Plan:
 
 # -- argument checks -------------------------------------------------------------
 
-def _check_int(rules, key, value):
+def check_int(rules, key, value):
     return _seqlens.as_int64(rules.op, rules.names[key], value)
 
 
-def _check_array(rules, key, a, ndim, dims):
+def check_array(rules, key, a, ndim, dims):
     name = rules.names[key]
     if a is None:
         raise missing(rules.op, name)
@@ -223,7 +223,7 @@ def _check_output(rules, key, a, shape, dtype, dims):
     """A caller-provided output, or a new one when the rules allow allocation."""
     if a is None and rules.allocate_outputs:
         return np.empty(shape, dtype=dtype)
-    _check_array(rules, key, a, len(shape), dims)
+    check_array(rules, key, a, len(shape), dims)
     name = rules.names[key]
     if a.shape != tuple(shape):
         raise invalid(rules.op, f"{name} must have shape {tuple(shape)}, got {a.shape}")
@@ -257,8 +257,8 @@ def _check_no_overlap(rules, outputs, inputs):
 
 def _check_window(rules, block, stride):
     lname, dname = rules.names["block"], rules.names["stride"]
-    block = _check_int(rules, "block", block)
-    stride = _check_int(rules, "stride", stride)
+    block = check_int(rules, "block", block)
+    stride = check_int(rules, "stride", stride)
     if rules.strict:
         for name, value in ((lname, block), (dname, stride)):
             if value <= 0 or value % 16:
@@ -292,7 +292,7 @@ def _check_layout(rules, layout):
 
 
 def _check_seq_type(rules, seq_type):
-    value = _check_int(rules, "actual_seq_len_type", seq_type)
+    value = check_int(rules, "actual_seq_len_type", seq_type)
     if value not in (_seqlens.CUMULATIVE, _seqlens.LENGTHS):
         raise invalid(rules.op, f"{rules.names['actual_seq_len_type']} must be 0 "
                                 f"(cumulative ends) or 1 (per-sequence lengths), got {value}")
@@ -308,8 +308,8 @@ def _check_present(rules, **arrays):
 
 def _check_input_and_weight(rules, layout, x, weight, block):
     """(x, weight, (B, S, N, D))."""
-    x = _check_array(rules, "input", x, layout.ndim, _dims(rules, layout))
-    weight = _check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
+    x = check_array(rules, "input", x, layout.ndim, _dims(rules, layout))
+    weight = check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
     _check_same_dtype(rules, x.dtype, "weight", weight)
     xname, wname = rules.names["input"], rules.names["weight"]
     heads = weight.shape[1]
@@ -558,7 +558,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     block, stride = _check_window(rules, block, stride)
     layout = _check_layout(rules, layout)
     x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
-    grad = _check_array(rules, "grad", grad, layout.ndim, _window_dims(rules, layout))
+    grad = check_array(rules, "grad", grad, layout.ndim, _window_dims(rules, layout))
     _check_same_dtype(rules, x.dtype, "grad", grad)
     seq_type = _check_seq_type(rules, seq_type)
     seqs, tiles = _tables(rules, "grad", layout, B, S, block, stride, N, D, actual_seq_len,
