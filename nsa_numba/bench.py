@@ -353,6 +353,8 @@ def main(args):
     threads = numba.get_num_threads()
     if args.overhead:
         return main_overhead(args, threads)
+    if args.compare:
+        return main_compare(args)
     use_torch = not args.no_torch
     if use_torch:
         try:
@@ -385,6 +387,12 @@ def main(args):
     print(format_table(results))
     if not use_torch:
         print("(PyTorch columns: not installed or --no-torch)")
+    if args.plot:
+        from llvmlite import binding
+        plot_results(results, args.plot,
+                     f"python -m nsa_numba bench: {binding.get_host_cpu_name()}, {threads} "
+                     f"thread(s), medians of {args.repeat} rounds")
+        print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, copy_bytes=copy[1], repeat=args.repeat,
@@ -407,6 +415,75 @@ def main_overhead(args, threads):
             json.dump(dict(threads=threads, overhead_us=us, shape=OVERHEAD_SHAPE,
                            repeat=args.repeat), f, indent=2)
     return 0
+
+
+# -- a picture and a comparison ------------------------------------------------------------
+
+def plot_results(results, path, title):
+    """Per case: forward and backward GB/s as bars, the copy bandwidth of the same
+    rounds as a line over them, each bar labelled with its % of that copy and, where
+    measured, how many times faster than PyTorch. PNG or SVG by ``path``'s suffix;
+    needs matplotlib (``pip install matplotlib``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(results), 4.2))
+    width = 0.38
+    for i, r in enumerate(results):
+        for k, (op, color) in enumerate((("forward", "#4477aa"), ("backward", "#ee6677"))):
+            m = r[op]
+            x = i + (k - 0.5) * width
+            ax.bar(x, m["gbs"], width, color=color, label=op if i == 0 else None)
+            text = f"{m['pct_copy']:.0f}%"
+            if "speedup" in m:
+                text += f"\n{m['speedup']:.0f}x torch"
+            ax.text(x, m["gbs"] * 0.5, text, ha="center", va="center", fontsize=7,
+                    color="white")
+        ax.hlines(r["copy_gbs"], i - width, i + width, colors="black",
+                  label="copy, same rounds" if i == 0 else None)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([f"T={r['case']['T']} N={r['case']['N']}\nl={r['case']['block']} "
+                        f"d={r['case']['stride']} {r['case']['dtype']}" for r in results],
+                       fontsize=7)
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", ncol=3, frameon=False)
+    ax.set_ylim(0, 1.25 * max(r["copy_gbs"] for r in results))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main_compare(args):
+    """``asv continuous`` of ``args.compare`` against HEAD in the checkout's asv_bench
+    (history environments built from each commit, see asv_bench/asv.conf.json)."""
+    import pathlib
+    import subprocess
+    try:
+        root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        print("--compare runs in a git checkout of nsa_numba (it benchmarks commits)",
+              file=sys.stderr)
+        return 2
+    suite = pathlib.Path(root) / "asv_bench"
+    if not (suite / "asv.conf.json").exists():
+        print(f"--compare: no asv_bench/asv.conf.json under {root}", file=sys.stderr)
+        return 2
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, cwd=root).stdout.strip()
+    if changed:
+        print("--compare: uncommitted changes are not benchmarked (asv builds commits): "
+              "commit them first", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "asv", "machine", "--yes"], cwd=suite,
+                   capture_output=True)
+    command = [sys.executable, "-m", "asv", "continuous", "--split", "--show-stderr",
+               "--factor", str(args.factor)]
+    for pattern in args.asv_bench or ():
+        command += ["--bench", pattern]
+    command += [args.compare, "HEAD"]
+    print("+ " + " ".join(command[2:]), file=sys.stderr, flush=True)
+    return subprocess.run(command, cwd=suite).returncode
 
 
 # -- memory -----------------------------------------------------------------------------
@@ -611,6 +688,18 @@ def add_arguments(parser):
                              "caches in the same rounds, and print its GB/s: the ceiling "
                              "of a kernel that mostly reads")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the results (PNG or SVG by the suffix; needs "
+                             "matplotlib): GB/s per case against the copy of the same run")
+    parser.add_argument("--compare", metavar="REF",
+                        help="instead: asv continuous REF HEAD in the checkout's asv_bench "
+                             "(each commit built in its own virtualenv)")
+    parser.add_argument("--factor", type=float, default=1.25,
+                        help="with --compare: the ratio asv reports as a change "
+                             "(default 1.25)")
+    parser.add_argument("--asv-bench", action="append", metavar="REGEX",
+                        help="with --compare: only the asv benchmarks matching REGEX "
+                             "(repeatable)")
     parser.add_argument("--infer", action="store_true",
                         help="instead: the with-cache (decoding) operator on three steps "
                              "(typical, one sequence, large), against the PyTorch gather + "

@@ -136,3 +136,20 @@ def test_bench_rejects_bad_arguments():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "T,N,D,l,d,seqs" in proc.stderr
+
+
+def test_bench_plot(tmp_path):
+    out = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
+         "--shape", "1024,4,32,32,32,1", "--dtype", "fp16", "--repeat", "2", "--no-torch",
+         "--plot", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_bench_compare_needs_a_checkout(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--compare", "main"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--compare runs in a git checkout" in proc.stderr
