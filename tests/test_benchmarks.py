@@ -14,6 +14,23 @@ sys.path.insert(0, str(ASV_DIR))
 from benchmarks import bench_compress as suite  # noqa: E402
 
 
+def test_history_config_builds_this_commit():
+    # asv.conf.json's virtualenv, build and install commands on the checked-out commit
+    # (dependencies from PyPI), one benchmark once
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=ASV_DIR)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    subprocess.run([sys.executable, "-m", "asv", "machine", "--yes"], cwd=ASV_DIR,
+                   capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "asv", "run", "--quick", "--show-stderr",
+                           "--bench", "InferStep", f"{head.stdout.strip()}^!"],
+                          cwd=ASV_DIR, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "virtualenv-py" in proc.stdout and "InferStep.time_step" in proc.stdout
+    assert "failed" not in proc.stdout, proc.stdout[-3000:]
+
+
 def test_asv_check_finds_no_problems():
     proc = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same"],
                           cwd=ASV_DIR, capture_output=True, text=True, timeout=300)
