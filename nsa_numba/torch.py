@@ -20,8 +20,8 @@ gradient operator's own autograd gives second derivatives), so they work under
 Under ``torch.compile`` the forward's row count T' comes from the sequence ends:
 given as a list or tuple, their values are symbolic integers (Dynamo makes them
 so once they change) and T' is the exact expression in them; given as a tensor,
-T' is a data-dependent size, shared by every call with the same tensor and window
-(so keys and values compressed alike have one length). Either way one graph serves
+T' is a data-dependent size, checked equal across calls with the same tensor and
+window (so keys and values compressed alike have lengths that match). Either way one graph serves
 batches of any lengths; Dynamo guards on a list's length, so lists compile once per
 sequence count (see the README for the counts).
 
@@ -157,9 +157,11 @@ _sizes_of = {}
 
 
 def _rows_for_tensor(tensor, block, stride):
-    """T' for sequence ends held in a (fake) tensor: a data-dependent size, the same
-    one for every call with this tensor and window, so that the keys and values of a
-    layer, compressed alike, get one length that later operations can match."""
+    """T' for sequence ends held in a (fake) tensor: a data-dependent size. Later calls
+    with the same tensor and window get a new size checked equal to the first one's
+    (``torch._check``), so the keys and values of a layer, compressed alike, have
+    lengths that later operations can match. (Returning the first size itself
+    broke AOTAutograd's renaming of unbacked symbols.)"""
     key = id(tensor)
     entry = _sizes_of.get(key)
     if entry is None or entry[0]() is not tensor:
@@ -458,12 +460,13 @@ def npu_nsa_compress_infer(input, weight, slot_mapping, compress_block_size, com
     it works under ``torch.compile``.
     """
     op = _INFER
-    if cache is None:
-        raise missing(op, "cache")
-    if actual_seq_len is None:
-        raise missing(op, "actual_seq_len")
-    if slot_mapping is None:
-        raise missing(op, "slot_mapping")
+    for name, value in (("input", input), ("weight", weight), ("slot_mapping", slot_mapping),
+                        ("actual_seq_len", actual_seq_len), ("cache", cache)):
+        if value is None:
+            raise missing(op, name)
+    for name, value in (("input", input), ("weight", weight), ("cache", cache)):
+        if not isinstance(value, torch.Tensor):
+            raise invalid(op, f"{name} must be a torch.Tensor, got {type(value).__name__}")
     torch.ops.nsa_numba.nsa_compress_infer(
         input, weight, _index_tensor(op, "slot_mapping", slot_mapping),
         _check_int(op, "compress_block_size", compress_block_size),
