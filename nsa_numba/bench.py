@@ -617,14 +617,14 @@ def run_infer_case(name, dtype, repeat, copy, use_torch, flush):
     result["gbs"] = moved / result["us"] / 1e3
     if use_torch:
         import torch
-        args = [torch.from_numpy(np.asarray(a, np.float32 if a.dtype.kind in "fV" else None))
-                for a in (x, w)]
         tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        tx, tw = (a.to(tdtype) for a in args)
+        tx, tw = (torch.from_numpy(np.asarray(a, np.float32)).to(tdtype) for a in (x, w))
         tcache = torch.zeros(cache.shape, dtype=tdtype)
         targs = (tx, tw, torch.from_numpy(slots), torch.from_numpy(table).long(),
                  torch.from_numpy(lengths), tcache, win["block"], win["stride"], win["page"])
-        fn = (lambda: torch_infer_step(torch, *targs))
+
+        def fn():
+            torch_infer_step(torch, *targs)
         number = 1 if big else 200
         fn()
         best = min(min(timeit.repeat(fn, number=number, repeat=3)) / number

@@ -372,9 +372,9 @@ def infer_tensors(dtype, seed=0):
     from test_infer import paged_problem
     lengths = [32, 33, 48, 80, 64, 95]
     x, w, slots, table, cache = paged_problem(lengths, N=4, D=32, dtype=np.float32, seed=seed)
-    to = (lambda a: torch.from_numpy(a).to(dtype))
-    return (to(x), to(w), torch.from_numpy(slots).to(torch.int32),
-            torch.from_numpy(table.clip(0)).to(torch.int32), lengths, to(cache))
+    x, w, cache = (torch.from_numpy(a).to(dtype) for a in (x, w, cache))
+    return (x, w, torch.from_numpy(slots).to(torch.int32),
+            torch.from_numpy(table.clip(0)).to(torch.int32), lengths, cache)
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
