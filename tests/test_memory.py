@@ -1,71 +1,28 @@
 """Memory: no hidden full-size copies, and 64-bit offsets past 2**31 elements."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import nsa_numba
+from nsa_numba import bench
 from nsa_numba import reference as ref
 from conftest import assert_forward_accurate, assert_grad_accurate
 
 MiB = 1 << 20
 
-# Run in a fresh process: peak RSS (VmHWM) is reset through /proc/self/clear_refs
-# after the arrays exist and the kernels are compiled, so the peak seen is the call's.
-PEAK_SCRIPT = r"""
-import json, sys
-import numpy as np
-import nsa_numba
-from nsa_numba import aclnn
-
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-T, N, D, L, S = 102400, 4, 128, 32, 16
-seq = [T // 2, T]
-rng = np.random.default_rng(0)
-x = rng.standard_normal((T, N, D), dtype=np.float32).astype(np.float16)
-w = rng.standard_normal((L, N), dtype=np.float32).astype(np.float16)
-Tp = 2 * ((T // 2 - L) // S + 1)
-g = rng.standard_normal((Tp, N, D), dtype=np.float32).astype(np.float16)
-# outputs filled (not np.zeros, whose pages would first be touched by the call)
-out, dx, dw = np.ones((Tp, N, D), np.float16), np.ones_like(x), np.ones_like(w)
-small = dict(actual_seq_len=[64, 128])
-nsa_numba.nsa_compress(x[:128], w, L, S, **small)               # compile (or load) first
-nsa_numba.nsa_compress_grad(g[:6], x[:128], w, L, S, **small)
-_, fw_ws, _ = aclnn.aclnnNsaCompressGetWorkspaceSize(x, w, seq, "TND", L, S, 0, out)
-_, bw_ws, _ = aclnn.aclnnNsaCompressGradGetWorkspaceSize(g, x, w, seq, L, S, 0, "TND", dx, dw)
-result = {"input_bytes": x.nbytes}
-rss = status("VmRSS"); reset_peak()
-nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq, out=out)
-result["forward"] = (status("VmHWM") - rss, fw_ws)
-rss = status("VmRSS"); reset_peak()
-nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq, input_grad=dx, weight_grad=dw)
-result["backward"] = (status("VmHWM") - rss, bw_ws)
-print(json.dumps(result))
-"""
-
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 def test_peak_memory_is_the_workspace_plus_a_few_mib():
-    child = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True,
-                           text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-3000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    assert result["input_bytes"] >= 100 * MiB
+    # bench.call_memory runs the calls in a fresh process and resets its peak RSS
+    # (VmHWM) once the arrays exist and the kernels are loaded: the peak is the call's
+    case = bench.Case(102400, 4, 128, 32, 16, 2, "fp16")      # two sequences, 100 MiB input
+    assert case.T * case.N * case.D * 2 >= 100 * MiB
+    result = bench.call_memory(case)
     for op in ("forward", "backward"):
-        extra, workspace = result[op]
+        extra, workspace = result[op]["added"], result[op]["workspace"]
         assert extra <= workspace + 4 * MiB, (op, extra / MiB, workspace / MiB)
 
 
