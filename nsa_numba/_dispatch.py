@@ -17,6 +17,13 @@ def _weight_table(plan):
     return np.ascontiguousarray(plan.arrays["weight"].astype(plan.accumulator).T)
 
 
+def _aligned_elements(plan, workspace):
+    """The plan's ``scratch_bytes`` of the workspace from its first WORKSPACE_ALIGN-byte
+    boundary, as accumulator elements."""
+    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
+    return workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator)
+
+
 def carve(plan, workspace):
     """(partials ``[n_tiles, N, l]``, scratch ``[slots, elements]``) in a uint8 workspace.
 
@@ -25,8 +32,7 @@ def carve(plan, workspace):
     in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
     starts at a boundary too).
     """
-    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
-    elements = workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator)
+    elements = _aligned_elements(plan, workspace)
     n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0   # none in the forward
     partials = elements[:n_tiles * plan.N * plan.block].reshape(n_tiles, plan.N, plan.block)
     scratch = elements[plan.partial_elements:].reshape(plan.scratch_slots,
@@ -110,9 +116,8 @@ def _run_infer(plan, workspace, threads):
         return
     if workspace is None:
         workspace = new_workspace(plan)
-    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
-    scratch = workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator).reshape(
-        plan.scratch_slots, plan.scratch_elements)
+    scratch = _aligned_elements(plan, workspace).reshape(plan.scratch_slots,
+                                                         plan.scratch_elements)
     args = (plan.storage("input"), _weight_table(plan), plan.storage("cache"), plan.slots,
             plan.source, plan.D, scratch)
     if threads == 1:
