@@ -87,7 +87,7 @@ def info(args):
     import numba
 
     import nsa_numba
-    from nsa_numba import _halfprec, _kernels, _threading
+    from nsa_numba import _halfprec, _kernels, _simd, _target, _threading
 
     # run one tiny call so Numba picks its threading layer
     x = np.zeros((16, 1, 16), np.float32)
@@ -106,6 +106,8 @@ def info(args):
                     f"{os.environ.get('NUMBA_NUM_THREADS', 'unset')}, cores "
                     f"{os.cpu_count()})"),
         ("cpu", f"{platform.machine()} {numba.config.CPU_NAME or _host_cpu_name()}"),
+        ("vector path", f"{_target.vector_isa()} ({_target.vector_bits()}-bit registers): "
+                        f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
         ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
     ]

@@ -30,30 +30,17 @@ sign and leading payload bits and comes out quiet, in both directions and on bot
 float16 paths (this is what F16C does; the portable code matches it bit for bit).
 """
 
-import platform
-
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import config
 from numba.extending import intrinsic, overload
 
+from . import _target
 from ._jit import jit
 
 
-def _target_has_f16c():
-    """True when Numba generates code for an x86 CPU with the F16C extension."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
-        return False
-    features = config.CPU_FEATURES
-    if features is None:
-        features = llvm.get_host_cpu_features().flatten()
-    return "+f16c" in features.split(",")
-
-
 #: whether float16 conversions use the F16C instructions (else the portable code)
-HAVE_F16C = _target_has_f16c()
+HAVE_F16C = _target.has_f16c()
 
 
 # -- bit casts ---------------------------------------------------------------

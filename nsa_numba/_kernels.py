@@ -42,12 +42,14 @@ from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload, v
                     vzeros_short)
 
 # The compile cache is keyed on this file's text only. These digests tie it to
-# the helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
+# the helper modules the kernels inline (and _target, whose choices shape them);
+# tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
-    "_halfprec.py": "0d76336e7c518e96",
+    "_halfprec.py": "6c0f8d3668b474b5",
     "_jit.py": "73935d928af2f0a8",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "b0bf4db3a3f5e368",
+    "_simd.py": "446b03efccc56715",
+    "_target.py": "64343d6f781c7228",
 }
 
 #: tokens per pass over D in compress_forward's common paths

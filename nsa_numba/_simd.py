@@ -2,10 +2,10 @@
 
 Numba has no vector type. :class:`F32Vector` is one: a value of a fixed number of
 float32 lanes that lowers to an LLVM ``<lanes x float>``, which LLVM splits into as
-many machine registers as the target needs (for 32 lanes: two 512-bit registers
-with AVX-512, four 256-bit ones with AVX2, eight with SSE; any LLVM target takes
-it). Two widths exist: ``WIDTH`` lanes (the forward's window sums) and
-``SHORT_WIDTH`` (the backward, whose loop holds more vectors at once). The functions
+many machine registers as the target needs (any LLVM target takes it). Two widths
+exist: ``WIDTH`` lanes (the forward's window sums: four of the target's registers,
+so 64 lanes with AVX-512, 32 with AVX2, 16 with SSE2) and ``SHORT_WIDTH`` (the
+backward, whose loop holds more vectors at once). The functions
 here are the only operations on them; each is a few LLVM instructions that the
 kernels inline:
 
@@ -40,16 +40,23 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from . import _target
 from ._halfprec import HAVE_F16C
 from ._jit import BOUNDSCHECK, jit
 
-#: lanes per vector: 32 float32, one 64-byte line of a 16-bit row. Two windows' sums
-#: then take 8 of AVX2's 16 registers, leaving room for the loads; 128 lanes (a
-#: whole head of D = 128) spill on AVX2 and measured slower than 32.
-WIDTH = 32
-#: lanes per vector of the backward: its loop holds five input vectors and four
-#: results, which at 32 lanes spilled from AVX2's registers; 8 lanes (one AVX2
-#: register) ran 0.80-0.97x the time of the loop LLVM vectorises from scalar code
+#: float32 lanes in one of the target's vector registers (4, 8 or 16)
+REGISTER_LANES = _target.vector_bits() // 32
+#: lanes per vector of the forward: four registers, so the sums of the two windows a
+#: token can be in take 8 registers and leave the rest for the loads. On AVX2 (16
+#: registers) that is 32 lanes, one 64-byte line of a 16-bit row; 128 lanes (a whole
+#: head of D = 128) spilled there and measured slower than 32. On AVX-512 (32
+#: registers) it is 64 lanes: 1.15x faster than 32 on one thread for 1 KiB bf16 rows,
+#: while 128 lanes measured no faster than 64 (docs/design.md, "Vector widths").
+WIDTH = 4 * REGISTER_LANES
+#: lanes per vector of the backward, whatever the target: its loop holds five input
+#: vectors and four results, which at 32 lanes spilled from AVX2's registers; 8 lanes
+#: (one AVX2 register) ran 0.80-0.97x the time of the loop LLVM vectorises from
+#: scalar code. On AVX-512, 16 and 32 lanes measured the same as 8 within the noise.
 SHORT_WIDTH = 8
 
 #: storage dtypes whose rows vload_row and vstore_row convert (see _halfprec's table)

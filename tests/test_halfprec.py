@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nsa_numba import _halfprec as hp
+from nsa_numba import _simd, _target
 from nsa_numba._jit import jit
 
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -141,11 +142,11 @@ def test_widen_and_narrow_dispatch_on_storage_type():
 PORTABLE_SCRIPT = """
 import hashlib, sys
 import numpy as np, ml_dtypes
-from nsa_numba import _halfprec
+from nsa_numba import _halfprec, _simd
 import nsa_numba
 sys.path.insert(0, {tests!r})
 from conftest import random_problem
-print(_halfprec.HAVE_F16C)
+print(_halfprec.HAVE_F16C, _simd.WIDTH)
 x, w, g = random_problem(700, 3, 48, 48, 16, [0, 300, 700], np.float16, seed=5)
 y = nsa_numba.nsa_compress(x, w, 48, 16, actual_seq_len=[0, 300, 700])
 dx, dw = nsa_numba.nsa_compress_grad(g, x, w, 48, 16, actual_seq_len=[0, 300, 700])
@@ -171,11 +172,23 @@ def _run_kernels(env_extra):
     return proc.stdout.split("\n")[:2]
 
 
-def test_kernels_on_a_cpu_without_f16c_match():
+def without_avx512():
+    """NUMBA_CPU_* settings for this CPU with its AVX-512 turned off: an AVX2 target,
+    whose forward vectors have half the lanes (_simd.WIDTH)."""
+    flags = [f for f in _target.features() if not f.startswith(("+avx512", "-avx512"))]
+    return {"NUMBA_CPU_NAME": "haswell",
+            "NUMBA_CPU_FEATURES": ",".join(flags + ["-avx512f"])}
+
+
+def test_kernels_on_other_cpus_match():
     # NUMBA_CPU_NAME=generic compiles for a baseline x86-64 (no F16C, no AVX): the
-    # portable float16 code must run there and give the same bits.
+    # portable float16 code and 16-lane vectors must run there and give the same
+    # bits as this CPU's code; on an AVX-512 CPU, so must an AVX2 build (32 lanes)
     generic = _run_kernels({"NUMBA_CPU_NAME": "generic"})
     native = _run_kernels({})
-    assert generic[0] == "False"
-    assert native[0] == str(hp.HAVE_F16C)
+    assert generic[0] == "False 16"
+    assert native[0] == f"{hp.HAVE_F16C} {_simd.WIDTH}"
     assert generic[1] == native[1]
+    if _target.vector_bits() == 512:
+        avx2 = _run_kernels(without_avx512())
+        assert avx2 == [f"{hp.HAVE_F16C} 32", native[1]]

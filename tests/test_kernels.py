@@ -78,8 +78,8 @@ SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STO
 @pytest.mark.parametrize("N,D,block,stride,seq", [
     (4, 128, 32, 16, [0, 37, 100, 101, 400]),   # two windows per token (l = 2d)
     (1, 128, 16, 16, [0, 250]),                 # one window per token (l = d)
-    (3, 256, 24, 16, [0, 37, 300]),             # one or two windows; 8 vectors per head
-    (2, 96, 32, 16, [0, 77, 200]),              # 3 vectors per head
+    (3, 256, 24, 16, [0, 37, 300]),             # one or two windows; several vectors
+    (2, 3 * _simd.WIDTH, 32, 16, [0, 77, 200]),  # 3 vectors per head
     (2, 128, 8, 20, [0, 150, 300]),             # gaps between windows (d > l)
     (5, 128, 30, 17, [0, 31, 300]),             # odd l and d
     (2, 128, 5, 3, [0, 2, 61]),                 # a sequence shorter than a window
@@ -141,8 +141,9 @@ def test_dispatch_picks_by_row_length():
         return _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out"))
 
     f32 = np.float32
-    assert kernel(np.zeros((64, 4, 48), f32), np.zeros((32, 4), f32)) \
-        is _kernels.compress_forward_rows                       # D not a multiple of 32
+    half_more = _simd.WIDTH * 3 // 2
+    assert kernel(np.zeros((64, 4, half_more), f32), np.zeros((32, 4), f32)) \
+        is _kernels.compress_forward_rows                       # D not a multiple of WIDTH
     assert kernel(np.zeros((4, 64, 128), f32).transpose(1, 0, 2), np.zeros((32, 4), f32)) \
         is _kernels.compress_forward_rows                       # rows not in C order
     assert kernel(np.zeros((128, 4, 128), f32)[::2], np.zeros((32, 4), f32)) \
