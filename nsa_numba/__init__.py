@@ -10,11 +10,15 @@ from . import _threading
 
 _threading.configure()  # before anything can start Numba's thread pool
 
+from . import _firstrun  # noqa: E402
 from ._errors import NsaError  # noqa: E402
+from ._firstrun import compile_messages, warmup  # noqa: E402
 from ._threading import threads  # noqa: E402
 from .api import nsa_compress, nsa_compress_grad, nsa_compress_infer  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["NsaError", "nsa_compress", "nsa_compress_grad", "nsa_compress_infer", "threads",
-           "__version__"]
+_firstrun.install()
+
+__all__ = ["NsaError", "compile_messages", "nsa_compress", "nsa_compress_grad",
+           "nsa_compress_infer", "threads", "warmup", "__version__"]

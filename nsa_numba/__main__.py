@@ -1,4 +1,4 @@
-"""Command line: ``python -m nsa_numba {demo,info,bench}``."""
+"""Command line: ``python -m nsa_numba {demo,info,bench,warmup}``."""
 
 import argparse
 import os
@@ -124,6 +124,13 @@ def _bench(args):
     return bench.main(args)
 
 
+def _warmup(args):
+    from . import _firstrun
+    _firstrun.compile_messages(False)   # the steps say what is compiling
+    _firstrun.warmup(args.dtype or _firstrun.DTYPES)
+    return 0
+
+
 def _host_cpu_name():
     from llvmlite import binding
     return binding.get_host_cpu_name()
@@ -142,6 +149,11 @@ def main(argv=None):
     from . import bench
     bench.add_arguments(p)
     p.set_defaults(func=_bench)
+    p = sub.add_parser("warmup", help="compile the kernels ahead of time (for images and "
+                                      "CI caches)")
+    p.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32", "fp64"),
+                   help="a dtype to compile for (repeatable); default: all four")
+    p.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -8,7 +8,7 @@ kernels keep all their scratch in it (per-tile partials, per-thread rows).
 import numba
 import numpy as np
 
-from . import _kernels, _simd, _threading
+from . import _firstrun, _kernels, _simd, _threading
 from ._plan import WORKSPACE_ALIGN
 
 
@@ -91,6 +91,7 @@ def run(plan, workspace=None, threads=None):
     many threads (None: Numba's count for the calling thread).
     """
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
+    _firstrun.calling = plan.dtype      # named if a kernel compiles now
     if plan.op == "infer":
         return _run_infer(plan, workspace, useful)
     if workspace is None:

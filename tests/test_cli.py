@@ -26,8 +26,8 @@ def test_demo_checks_the_seed_example():
 def test_info_reports_the_setup():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
-    for key in ("nsa_numba", "numba", "threading layer", "threads", "cpu", "float16 path",
-                "kernel cache"):
+    for key in ("nsa_numba", "numba", "threading layer", "threads", "cpu", "vector path",
+                "float16 path", "kernel cache"):
         assert key in proc.stdout
     layer = [ln for ln in proc.stdout.splitlines() if ln.startswith("threading layer")][0]
     assert layer.split()[-1] in ("tbb", "omp", "workqueue")

@@ -1,0 +1,72 @@
+"""The first run: a line on stderr while kernels compile into a cold cache, none once
+it is warm or when silenced, and ``python -m nsa_numba warmup`` compiling ahead
+everything a user's calls need. Each test gets its own empty kernel cache."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+USER_CALLS = """
+import numpy as np
+import nsa_numba
+rng = np.random.default_rng(0)
+for T, N, D, seq in [(300, 4, 128, [0, 100, 300]), (96, 2, 48, None), (200, 32, 128, [0, 200])]:
+    x = rng.standard_normal((T, N, D)).astype(np.float32)
+    w = rng.standard_normal((32, N)).astype(np.float32)
+    out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
+    nsa_numba.nsa_compress_grad(np.ones_like(out), x, w, 32, 16, actual_seq_len=seq,
+                                strict=False)
+x = rng.standard_normal((8, 64, 2, 128)).astype(np.float32)
+cache = np.zeros((40, 2, 128), np.float32)
+for writers in (1, 40):
+    nsa_numba.nsa_compress_infer(x, w[:, :2], np.arange(writers), 32, 16, 64,
+                                 block_table=np.arange(writers).reshape(-1, 1) % 8,
+                                 actual_seq_len=[64] * writers, cache=cache, strict=False)
+"""
+
+FORWARD = """
+import numpy as np
+import nsa_numba
+nsa_numba.nsa_compress(np.ones((64, 2, 16), np.float32), np.ones((32, 2), np.float32), 32, 16)
+"""
+
+
+@pytest.fixture
+def cold(tmp_path):
+    """Runs Python code or the CLI with an empty kernel cache of its own."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("NSA_NUMBA_QUIET", None)
+
+    def run(*args, code=None, **extra):
+        cmd = [sys.executable] + (["-c", code] if code else ["-m", "nsa_numba", *args])
+        proc = subprocess.run(cmd, env=dict(env, **extra), capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+    return run
+
+
+def test_a_cold_cache_says_what_compiles_once(cold, tmp_path):
+    first = cold(code=FORWARD).stderr.splitlines()
+    assert first[0].startswith("nsa_numba: compiling the planning helpers (once per machine,"
+                               f" kept in {tmp_path / 'cache'}")
+    assert "NSA_NUMBA_QUIET=1" in first[0] and "python -m nsa_numba warmup" in first[0]
+    assert any(line.startswith("nsa_numba: compiling the kernel compress_forward")
+               and line.endswith(" for float32") for line in first[1:])
+    assert cold(code=FORWARD).stderr == ""              # warm: nothing
+
+
+def test_silenced_by_the_environment(cold):
+    assert cold(code=FORWARD, NSA_NUMBA_QUIET="1").stderr == ""
+
+
+def test_warmup_compiles_what_calls_need(cold):
+    proc = cold("warmup", "--dtype", "fp32")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
+    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/5]" for i in range(1, 6)]
+    assert lines[-1].startswith("done in ") and lines[-1].endswith(" s")
+    assert proc.stderr == ""
+    assert cold(code=USER_CALLS).stderr == ""           # nothing left to compile
