@@ -3,6 +3,21 @@ import numpy as np
 import pytest
 
 from nsa_numba import reference as ref
+from nsa_numba._jit import BOUNDSCHECK
+
+
+def pytest_configure(config):
+    """Before pytest-xdist starts its workers, compile every kernel once into the disk
+    cache: otherwise each worker compiles the same kernels for itself on a fresh
+    clone. (Not in a worker, nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or BOUNDSCHECK or not workers:
+        return
+    import io
+
+    import nsa_numba
+    nsa_numba.compile_messages(False)
+    nsa_numba.warmup(out=io.StringIO())
 
 HALF_DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 DTYPES = HALF_DTYPES + [np.dtype(np.float32), np.dtype(np.float64)]
