@@ -252,6 +252,32 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def markdown_table(runs):
+    """One markdown table of ``bench --json`` runs (dicts as saved): a row per case and
+    op, the % of copy and x torch of each run side by side, headed by its threads."""
+    head = ["case", "op"]
+    for run in runs:
+        head += [f"{run['threads']} thr: ms", "% copy", "x torch"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    labels = [r["label"] for r in runs[0]["results"]]
+    for label in labels:
+        for op in ("forward", "backward"):
+            row = [label if op == "forward" else "", op]
+            for run in runs:
+                m = next((r[op] for r in run["results"] if r["label"] == label), None)
+                if m is None:
+                    row += ["-", "-", "-"]
+                    continue
+                row += [f"{m['ms']:.2f}", f"{m['pct_copy']:.0f}%",
+                        f"{m['speedup']:.0f}x" if "speedup" in m else "-"]
+            lines.append("| " + " | ".join(row) + " |")
+    copies = ", ".join(f"{run['threads']} thread(s) "
+                       f"{min(r['copy_gbs'] for r in run['results']):.1f}-"
+                       f"{max(r['copy_gbs'] for r in run['results']):.1f} GB/s"
+                       for run in runs)
+    return "\n".join(lines) + f"\n\nCopy bandwidth in the same rounds: {copies}."
+
+
 def parse_shape(text):
     """``T,N,D,l,d,seqs`` as a tuple of 6 positive integers (argparse type)."""
     try:
@@ -351,6 +377,13 @@ def main(args):
             return 2
         numba.set_num_threads(args.threads)
     threads = numba.get_num_threads()
+    if args.markdown:
+        runs = []
+        for path in args.markdown:
+            with open(path) as f:
+                runs.append(json.load(f))
+        print(markdown_table(runs))
+        return 0
     if args.overhead:
         return main_overhead(args, threads)
     if args.compare:
@@ -709,3 +742,6 @@ def add_arguments(parser):
                              "problem against the NumPy API and an empty custom op "
                              "(needs torch)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", nargs="+", metavar="JSON",
+                        help="instead: print runs saved with --json (e.g. one per thread "
+                             "count) as one markdown table")

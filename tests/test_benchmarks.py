@@ -135,6 +135,16 @@ def test_bench_command_small_case(tmp_path):
     for r in data["results"]:
         for op in ("forward", "backward"):
             assert r[op]["ms"] > 0 and r[op]["gbs"] > 0 and r[op]["pct_copy"] > 0
+    # the saved run as the documentation's markdown table: a row per case and op
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--markdown", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2 * len(data["results"])
+    for r, fwd, bwd in zip(data["results"], rows[1::2], rows[2::2]):
+        assert fwd[0] == "| " + r["label"] and fwd[1] == "forward" and bwd[1] == "backward"
+        assert fwd[3] == f"{r['forward']['pct_copy']:.0f}%"
+        assert bwd[3] == f"{r['backward']['pct_copy']:.0f}%"
 
 
 def test_bench_read_yardstick(tmp_path):
