@@ -180,15 +180,22 @@ def without_avx512():
             "NUMBA_CPU_FEATURES": ",".join(flags + ["-avx512f"])}
 
 
-def test_kernels_on_other_cpus_match():
-    # NUMBA_CPU_NAME=generic compiles for a baseline x86-64 (no F16C, no AVX): the
-    # portable float16 code and 16-lane vectors must run there and give the same
-    # bits as this CPU's code; on an AVX-512 CPU, so must an AVX2 build (32 lanes)
-    generic = _run_kernels({"NUMBA_CPU_NAME": "generic"})
-    native = _run_kernels({})
-    assert generic[0] == "False 16"
-    assert native[0] == f"{hp.HAVE_F16C} {_simd.WIDTH}"
-    assert generic[1] == native[1]
+def _other_cpus():
+    """(id, NUMBA_CPU_* settings, expected "HAVE_F16C WIDTH") of the builds compared
+    with this CPU's: a baseline x86-64 (no F16C, no AVX: the portable float16 code and
+    16-lane vectors) and, on an AVX-512 CPU, an AVX2 build of it (32 lanes)."""
+    cpus = [("generic", {"NUMBA_CPU_NAME": "generic"}, "False 16")]
     if _target.vector_bits() == 512:
-        avx2 = _run_kernels(without_avx512())
-        assert avx2 == [f"{hp.HAVE_F16C} 32", native[1]]
+        cpus.append(("avx2", without_avx512(), f"{hp.HAVE_F16C} 32"))
+    return cpus
+
+
+@pytest.mark.parametrize("settings,expected", [c[1:] for c in _other_cpus()],
+                         ids=[c[0] for c in _other_cpus()])
+def test_kernels_on_other_cpus_match(settings, expected):
+    # each build in its own process (a separate test, so the two compile in parallel
+    # under pytest-xdist), against this CPU's code run the same way
+    other = _run_kernels(settings)
+    native = _run_kernels({})
+    assert native[0] == f"{hp.HAVE_F16C} {_simd.WIDTH}"
+    assert other == [expected, native[1]]
