@@ -90,31 +90,44 @@ def run(plan, workspace=None, threads=None):
     ``plan.workspace_bytes`` (allocated here when None). ``threads``: at most this
     many threads (None: Numba's count for the calling thread).
     """
+    launch = prepare(plan, workspace, threads)
+    if launch is not None:
+        launch()
+
+
+def prepare(plan, workspace=None, threads=None):
+    """The plan's kernel launches as a function of no arguments (None when there is
+    nothing to compute), with everything before them done: workspace carved, weight
+    table built, kernel and thread count chosen. ``run`` calls it at once;
+    ``bench --split`` times it apart from the Python work of a call."""
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
     _firstrun.calling = plan.dtype      # named if a kernel compiles now
     if plan.op == "infer":
-        return _run_infer(plan, workspace, useful)
+        return _prepare_infer(plan, workspace, useful)
     if workspace is None:
         workspace = new_workspace(plan)
     partials, scratch = carve(plan, workspace)
     wt = _weight_table(plan)
     if plan.op == "forward":
         x, out = plan.storage("input", workspace), plan.storage("out")
-        _threading.launch(forward_kernel(plan, x, out), useful, x, wt, out,
-                          plan.tiles, plan.stride, plan.D, scratch)
-        return
+        kernel = forward_kernel(plan, x, out)
+        return lambda: _threading.launch(kernel, useful, x, wt, out, plan.tiles, plan.stride,
+                                         plan.D, scratch)
     x, ig = plan.storage("input", workspace), plan.storage("input_grad")
-    _threading.launch(_kernels.compress_backward, useful,
-                      plan.storage("grad", workspace), x, wt, ig,
-                      partials, plan.tiles, plan.stride, plan.D, scratch,
-                      backward_vector(plan, x, ig))
-    _kernels.reduce_weight_grad(partials, plan.storage("weight_grad"))
+    g, wg = plan.storage("grad", workspace), plan.storage("weight_grad")
+    vector = backward_vector(plan, x, ig)
+
+    def backward():
+        _threading.launch(_kernels.compress_backward, useful, g, x, wt, ig, partials,
+                          plan.tiles, plan.stride, plan.D, scratch, vector)
+        _kernels.reduce_weight_grad(partials, wg)
+    return backward
 
 
-def _run_infer(plan, workspace, threads):
+def _prepare_infer(plan, workspace, threads):
     """The with-cache operator: one kernel launch over the writing sequences."""
     if not plan.writers:
-        return
+        return None
     if workspace is None:
         workspace = new_workspace(plan)
     scratch = _aligned_elements(plan, workspace).reshape(plan.scratch_slots,
@@ -122,6 +135,5 @@ def _run_infer(plan, workspace, threads):
     args = (plan.storage("input"), _weight_table(plan), plan.storage("cache"), plan.slots,
             plan.source, plan.D, scratch)
     if threads == 1:
-        _kernels.compress_infer_serial(*args)
-    else:
-        _threading.launch(_kernels.compress_infer, threads, *args)
+        return lambda: _kernels.compress_infer_serial(*args)
+    return lambda: _threading.launch(_kernels.compress_infer, threads, *args)

@@ -30,7 +30,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import api
+from . import _dispatch, api
+from ._plan import Rules, plan_forward, plan_grad
 from ._jit import jit_parallel
 
 #: (T, N, D, l, d, number of equal sequences)
@@ -202,9 +203,19 @@ def torch_baseline(case, x, w, g, seq, repeat):
     return t_fwd, t_bwd
 
 
-def run_case(case, repeat, copy, use_torch, flush, read=None):
+def prepared_launches(x, w, g, out, dx, dw, l, d, seq):
+    """(forward, backward): the kernel launches of the two calls with their planning
+    and the rest of their Python work done beforehand (``_dispatch.prepare``)."""
+    fwd = plan_forward(Rules("nsa_compress"), x, w, l, d, seq, 0, "TND", out)
+    bwd = plan_grad(Rules("nsa_compress_grad"), g, x, w, l, d, seq, 0, "TND", dx, dw)
+    return (_dispatch.prepare(fwd, _dispatch.new_workspace(fwd)),
+            _dispatch.prepare(bwd, _dispatch.new_workspace(bwd)))
+
+
+def run_case(case, repeat, copy, use_torch, flush, read=None, split=False):
     """Time one case: forward, backward, ``copy`` (a ``copy_task``) and ``read`` (a
-    ``read_task``, if given) in turn, each after ``flush`` (a ``CacheFlush``)."""
+    ``read_task``, if given) in turn, each after ``flush`` (a ``CacheFlush``); with
+    ``split``, also each call's kernel launches alone (``prepared_launches``)."""
     x, w, g, out, seq = make_data(case)
     dx = np.empty(x.shape, x.dtype)
     dw = np.empty_like(w)
@@ -214,6 +225,7 @@ def run_case(case, repeat, copy, use_torch, flush, read=None):
              lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
              lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
                                            input_grad=dx, weight_grad=dw)]
+    tasks += list(prepared_launches(x, w, g, out, dx, dw, l, d, seq)) if split else []
     times = [np.array(t) for t in round_times(tasks + ([read[0]] if read else []), repeat,
                                               settle=flush)]
     t_copy, t_fwd, t_bwd = times[:3]
@@ -223,12 +235,20 @@ def run_case(case, repeat, copy, use_torch, flush, read=None):
     bwd_bytes = (2 * x.size + g.size) * item
     result = dict(case=asdict(case), label=case.label, copy_gbs=copy_gbs)
     if read:
-        result["read_gbs"] = read[1] / np.median(times[3]) / 1e9
+        result["read_gbs"] = read[1] / np.median(times[-1]) / 1e9
+
+    def pct_copy(t, nbytes):
+        # each round's rate against that round's copy rate, then the median
+        return float(np.median(100 * (nbytes / t) / (copy_bytes / t_copy)))
+
     for op, t, nbytes in (("forward", t_fwd, fwd_bytes), ("backward", t_bwd, bwd_bytes)):
-        # each round's kernel rate against that round's copy rate, then the median
-        pct = np.median(100 * (nbytes / t) / (copy_bytes / t_copy))
         result[op] = dict(ms=np.median(t) * 1e3, best_ms=t.min() * 1e3, bytes=nbytes,
-                          gbs=nbytes / np.median(t) / 1e9, pct_copy=float(pct))
+                          gbs=nbytes / np.median(t) / 1e9, pct_copy=pct_copy(t, nbytes))
+    if split:
+        for op, t, nbytes in (("forward", times[3], fwd_bytes),
+                              ("backward", times[4], bwd_bytes)):
+            result[op].update(launch_ms=np.median(t) * 1e3,
+                              launch_pct_copy=pct_copy(t, nbytes))
     baseline = torch_baseline(case, x, w, g, seq, max(1, repeat // 3)) if use_torch else None
     if baseline is not None:
         for op, seconds in zip(("forward", "backward"), baseline):
@@ -238,38 +258,46 @@ def run_case(case, repeat, copy, use_torch, flush, read=None):
 
 
 def format_table(results):
+    split = "launch_ms" in results[0]["forward"]
     head = (f"{'case':<52}{'op':<9}{'ms':>9}{'GB/s':>8}{'copy':>7}{'% copy':>8}"
-            f"{'torch ms':>10}{'x torch':>9}")
+            f"{'torch ms':>10}{'x torch':>9}"
+            + (f"{'launch ms':>11}{'% copy':>8}" if split else ""))
     lines = [head, "-" * len(head)]
     for r in results:
         for op in ("forward", "backward"):
             m = r[op]
             torch_cols = (f"{m['torch_ms']:>10.2f}{m['speedup']:>8.1f}x" if "torch_ms" in m
                           else f"{'-':>10}{'-':>9}")
+            launch = (f"{m['launch_ms']:>11.3f}{m['launch_pct_copy']:>7.0f}%" if split
+                      else "")
             lines.append(f"{r['label'] if op == 'forward' else '':<52}{op:<9}"
                          f"{m['ms']:>9.3f}{m['gbs']:>8.1f}{r['copy_gbs']:>7.1f}"
-                         f"{m['pct_copy']:>7.0f}%{torch_cols}")
+                         f"{m['pct_copy']:>7.0f}%{torch_cols}{launch}")
     return "\n".join(lines)
 
 
 def markdown_table(runs):
     """One markdown table of ``bench --json`` runs (dicts as saved): a row per case and
-    op, the % of copy and x torch of each run side by side, headed by its threads."""
+    op, each run's ms, % of copy (and of its launches alone, if run with --split) and
+    x torch side by side, headed by its thread count."""
+    split = ["launch_ms" in run["results"][0]["forward"] for run in runs]
     head = ["case", "op"]
-    for run in runs:
-        head += [f"{run['threads']} thr: ms", "% copy", "x torch"]
+    for run, launches in zip(runs, split):
+        head += [f"{run['threads']} thr: ms", "% copy"] + (["launch % copy"] if launches
+                                                           else []) + ["x torch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     labels = [r["label"] for r in runs[0]["results"]]
     for label in labels:
         for op in ("forward", "backward"):
             row = [label if op == "forward" else "", op]
-            for run in runs:
+            for run, launches in zip(runs, split):
                 m = next((r[op] for r in run["results"] if r["label"] == label), None)
                 if m is None:
-                    row += ["-", "-", "-"]
+                    row += ["-"] * (4 if launches else 3)
                     continue
-                row += [f"{m['ms']:.2f}", f"{m['pct_copy']:.0f}%",
-                        f"{m['speedup']:.0f}x" if "speedup" in m else "-"]
+                row += [f"{m['ms']:.2f}", f"{m['pct_copy']:.0f}%"]
+                row += [f"{m['launch_pct_copy']:.0f}%"] if launches else []
+                row += [f"{m['speedup']:.0f}x" if "speedup" in m else "-"]
             lines.append("| " + " | ".join(row) + " |")
     copies = ", ".join(f"{run['threads']} thread(s) "
                        f"{min(r['copy_gbs'] for r in run['results']):.1f}-"
@@ -408,7 +436,8 @@ def main(args):
     results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
-        results.append(run_case(case, args.repeat, copy, use_torch, flush, read))
+        results.append(run_case(case, args.repeat, copy, use_torch, flush, read,
+                                args.split))
     copies = [r["copy_gbs"] for r in results]
     print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {min(copies):.1f}-"
           f"{max(copies):.1f} GB/s (parallel copy of {copy[1] // 2 >> 20} MiB, read + write, "
@@ -420,6 +449,9 @@ def main(args):
     print(format_table(results))
     if not use_torch:
         print("(PyTorch columns: not installed or --no-torch)")
+    if args.split:
+        print("(launch: the call's kernel launches alone, planned beforehand; the rest of "
+              "the call's time is its Python work after the cache flush)")
     if args.plot:
         from llvmlite import binding
         plot_results(results, args.plot,
@@ -741,6 +773,10 @@ def add_arguments(parser):
                         help="instead: the per-call time of the torch functions on a tiny "
                              "problem against the NumPy API and an empty custom op "
                              "(needs torch)")
+    parser.add_argument("--split", action="store_true",
+                        help="also time each call's kernel launches alone (planned "
+                             "beforehand) in the same rounds: what the kernels reach "
+                             "without the call's Python work")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", nargs="+", metavar="JSON",
                         help="instead: print runs saved with --json (e.g. one per thread "

@@ -125,16 +125,19 @@ def test_bench_command_small_case(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
-         "--dtype", "bf16", "--repeat", "2", "--no-torch", "--strided", "--json", str(out)],
+         "--dtype", "bf16", "--repeat", "2", "--no-torch", "--strided", "--split", "--json",
+         str(out)],
         capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert "copy bandwidth" in proc.stdout and "backward" in proc.stdout
+    assert "launch ms" in proc.stdout
     assert "[1/3]" in proc.stderr and "[3/3]" in proc.stderr      # progress
     data = json.loads(out.read_text())
     assert [r["case"]["view"] for r in data["results"]] == ["contiguous", "sliced", "strided"]
     for r in data["results"]:
         for op in ("forward", "backward"):
             assert r[op]["ms"] > 0 and r[op]["gbs"] > 0 and r[op]["pct_copy"] > 0
+            assert r[op]["launch_ms"] > 0 and r[op]["launch_pct_copy"] > 0     # --split
     # the saved run as the documentation's markdown table: a row per case and op
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--markdown", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -145,6 +148,7 @@ def test_bench_command_small_case(tmp_path):
         assert fwd[0] == "| " + r["label"] and fwd[1] == "forward" and bwd[1] == "backward"
         assert fwd[3] == f"{r['forward']['pct_copy']:.0f}%"
         assert bwd[3] == f"{r['backward']['pct_copy']:.0f}%"
+        assert fwd[4] == f"{r['forward']['launch_pct_copy']:.0f}%"
 
 
 def test_bench_read_yardstick(tmp_path):
