@@ -127,7 +127,7 @@ def _bench(args):
 def _warmup(args):
     from . import _firstrun
     _firstrun.compile_messages(False)   # the steps say what is compiling
-    _firstrun.warmup(args.dtype or _firstrun.DTYPES)
+    _firstrun.warmup(args.dtype or _firstrun.DTYPES, strided=args.strided)
     return 0
 
 
@@ -153,6 +153,9 @@ def main(argv=None):
                                       "CI caches)")
     p.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="a dtype to compile for (repeatable); default: all four")
+    p.add_argument("--strided", action="store_true",
+                   help="also compile for inputs taken every other element of the last "
+                        "axis or in reverse token order (each a variant of its own)")
     p.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -11,8 +11,8 @@ named). ``NSA_NUMBA_QUIET=1`` in the environment, or ``compile_messages(False)``
 turns the lines off.
 
 :func:`warmup` (``python -m nsa_numba warmup``) runs small problems that reach
-every kernel for the chosen dtypes, so that an image or a CI cache can carry the
-compiled code.
+every kernel for the chosen dtypes (and, on request, common strided views), so that
+an image or a CI cache can carry the compiled code.
 """
 
 import os
@@ -106,10 +106,18 @@ def _numpy_dtype(name):
     return np.dtype({"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}[name])
 
 
-def _steps(dtype):
-    """(label, function) pairs that between them reach every kernel for ``dtype`` on
-    C-contiguous arrays, the layout of almost every call (a strided view compiles its
-    own variant the first time it is used)."""
+#: what ``warmup`` can compile, by operator
+OPS = ("forward", "backward", "decoding")
+#: the inputs ``warmup(strided=True)`` adds, with contiguous weights, gradients and
+#: outputs: views users often pass (each a variant of its own for the kernels), every
+#: other element of the last axis and tokens in reverse order
+_VIEWS = {"every-other-element": lambda a: np.repeat(a, 2, axis=-1)[..., ::2],
+          "reversed-tokens": lambda a: np.ascontiguousarray(a[::-1])[::-1]}
+
+
+def _steps(dtype, strided):
+    """(op, label, function) triples that between them reach every kernel for
+    ``dtype`` on C-contiguous arrays (and with ``strided``, on the views of _VIEWS)."""
     from . import _simd, api
     from ._threading import threads
 
@@ -118,12 +126,18 @@ def _steps(dtype):
     def data(*shape):
         return rng.standard_normal(shape).astype(dtype)
 
-    def train(T, N, D):
-        x, w = data(T, N, D), data(32, N)
+    def problem(T, N, D, view):
         seq = [0, T // 3, T]
-        out = api.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
-        api.nsa_compress_grad(data(*out.shape), x, w, 32, 16, actual_seq_len=seq,
-                              strict=False)
+        windows = sum(max(0, (b - a - 32) // 16 + 1) for a, b in zip(seq, seq[1:]))
+        return view(data(T, N, D)), data(32, N), data(windows, N, D), seq
+
+    def forward(T, N, D, view=lambda a: a):
+        x, w, _, seq = problem(T, N, D, view)
+        api.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
+
+    def backward(T, N, D, view=lambda a: a):
+        x, w, g, seq = problem(T, N, D, view)
+        api.nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq, strict=False)
 
     def decode(writers, parallel):
         x, w = data(4, 64, 2, 64), data(32, 2)          # 4 pages of 64 tokens
@@ -135,24 +149,33 @@ def _steps(dtype):
                                    cache=cache, strict=False)
 
     width = _simd.WIDTH
-    return [
-        ("forward and backward, vector rows", lambda: train(96, 2, 2 * width)),
-        ("forward and backward, other rows", lambda: train(96, 2, 20)),
-        ("forward, long rows", lambda: train(64, 32, 256)),
-        ("decoding step, one thread", lambda: decode(2, False)),
-        ("decoding step, threads", lambda: decode(64, True)),
+    steps = [
+        ("forward", "forward, vector rows", lambda: forward(96, 2, 2 * width)),
+        ("forward", "forward, other rows", lambda: forward(96, 2, 20)),
+        ("forward", "forward, long rows", lambda: forward(64, 32, 256)),
+        ("backward", "backward, vector rows", lambda: backward(96, 2, 2 * width)),
+        ("decoding", "decoding step, one thread", lambda: decode(2, False)),
+        ("decoding", "decoding step, threads", lambda: decode(64, True)),
     ]
+    if strided:
+        for name, view in _VIEWS.items():
+            steps += [("forward", f"forward, {name}", lambda v=view: forward(96, 2, 64, v)),
+                      ("backward", f"backward, {name}",
+                       lambda v=view: backward(96, 2, 64, v))]
+    return steps
 
 
-def warmup(dtypes=DTYPES, out=sys.stdout):
-    """Compile (or load from the cache) every kernel for ``dtypes`` (short names, see
-    ``DTYPES``), printing each step and its time to ``out``; returns the total
-    seconds."""
+def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout):
+    """Compile (or load from the cache) the kernels of ``ops`` (see ``OPS``) for
+    ``dtypes`` (short names, see ``DTYPES``) on contiguous arrays, and with ``strided``
+    on common views too; prints each step and its time to ``out`` and returns the
+    total seconds."""
     start = time.perf_counter()
     where = cache_dir()
     print(f"nsa_numba warmup: {', '.join(dtypes)}; cache "
           f"{where or 'off (nothing will be kept)'}", file=out, flush=True)
-    plan = [(name, label, fn) for name in dtypes for label, fn in _steps(_numpy_dtype(name))]
+    plan = [(name, label, fn) for name in dtypes
+            for op, label, fn in _steps(_numpy_dtype(name), strided) if op in ops]
     for i, (name, label, fn) in enumerate(plan, 1):
         t = time.perf_counter()
         fn()

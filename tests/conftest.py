@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -6,18 +10,30 @@ from nsa_numba import reference as ref
 from nsa_numba._jit import BOUNDSCHECK
 
 
+#: the two halves of the kernels tests/conftest.py compiles side by side
+WARMUP_PARTS = ('("forward",)', '("backward", "decoding")')
+
+
 def pytest_configure(config):
-    """Before pytest-xdist starts its workers, compile every kernel once into the disk
-    cache: otherwise each worker compiles the same kernels for itself on a fresh
-    clone. (Not in a worker, nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
+    """Before pytest-xdist starts its workers, compile the kernels into the disk cache
+    (``nsa_numba.warmup``, strided views included), in two processes that share out
+    the kernels, so both cores compile and each kernel compiles once: otherwise every
+    worker compiles the same kernels for itself on a fresh clone. (Not in a worker,
+    nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
     workers = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or BOUNDSCHECK or not workers:
         return
-    import io
+    env = dict(os.environ, NSA_NUMBA_QUIET="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", "import io, nsa_numba._firstrun as f; "
+                               f"f.warmup(ops={ops}, strided=True, out=io.StringIO())"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for ops in WARMUP_PARTS]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise pytest.UsageError(f"compiling the kernels ahead failed:\n{err}")
 
-    import nsa_numba
-    nsa_numba.compile_messages(False)
-    nsa_numba.warmup(out=io.StringIO())
 
 HALF_DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 DTYPES = HALF_DTYPES + [np.dtype(np.float32), np.dtype(np.float64)]

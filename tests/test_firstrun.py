@@ -18,6 +18,9 @@ for T, N, D, seq in [(300, 4, 128, [0, 100, 300]), (96, 2, 48, None), (200, 32, 
     out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
     nsa_numba.nsa_compress_grad(np.ones_like(out), x, w, 32, 16, actual_seq_len=seq,
                                 strict=False)
+x = rng.standard_normal((300, 4, 256)).astype(np.float32)[..., ::2]   # every other element
+out = nsa_numba.nsa_compress(x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
+nsa_numba.nsa_compress_grad(np.ones_like(out), x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
 x = rng.standard_normal((8, 64, 2, 128)).astype(np.float32)
 cache = np.zeros((40, 2, 128), np.float32)
 for writers in (1, 40):
@@ -63,10 +66,11 @@ def test_silenced_by_the_environment(cold):
 
 
 def test_warmup_compiles_what_calls_need(cold):
-    proc = cold("warmup", "--dtype", "fp32")
+    proc = cold("warmup", "--dtype", "fp32", "--strided")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
-    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/5]" for i in range(1, 6)]
+    steps = len(lines) - 2          # 6 on contiguous arrays, 4 on strided views
+    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/10]" for i in range(1, 11)]
     assert lines[-1].startswith("done in ") and lines[-1].endswith(" s")
     assert proc.stderr == ""
-    assert cold(code=USER_CALLS).stderr == ""           # nothing left to compile
+    assert steps == 10 and cold(code=USER_CALLS).stderr == ""   # nothing left to compile
