@@ -14,11 +14,15 @@ TIMEOUT_S = 900
 
 
 def test_invalid_calls_in_a_child_process():
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # one process (-n 0), and the 150 cases per test these always ran: rejecting bad
+    # input compiles little, so they cost seconds, unlike the valid problems
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                "--hypothesis-show-statistics", os.path.join(HERE, "fuzz_invalid_cases.py")]
+    env = dict(os.environ)
+    env.setdefault("NSA_NUMBA_FUZZ_EXAMPLES", "150")
     try:
         child = subprocess.run(command, cwd=HERE, capture_output=True, text=True,
-                               timeout=TIMEOUT_S)
+                               timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"the invalid-input fuzz hung for {TIMEOUT_S} s:\n"
                              f"{(err.stdout or b'')[-4000:]!r}") from None

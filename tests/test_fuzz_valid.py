@@ -7,11 +7,12 @@ reference of the same data packed as TND, one sequence per batch row.
 """
 
 import numpy as np
-from hypothesis import given, note, strategies as st
+import pytest
+from hypothesis import given, note, settings, strategies as st
 
 import nsa_numba
 from conftest import DTYPES, assert_forward_accurate, assert_grad_accurate
-from fuzzing import settings  # noqa: F401  (loads the profile)
+from fuzzing import EXTENDED_EXAMPLES
 from test_layouts import from_layout, to_layout
 from test_strides import VIEWS
 
@@ -103,6 +104,19 @@ def _as_tnd(a, p):
 
 @given(problems())
 def test_generated_problem_matches_reference(p):
+    check_problem(p)
+
+
+@pytest.mark.extended
+@settings(max_examples=EXTENDED_EXAMPLES)
+@given(problems())
+def test_more_generated_problems_match_reference(p):
+    # other cases than the test above draws (hypothesis derives the fixed cases from
+    # the test function), run by CI: pytest -m extended
+    check_problem(p)
+
+
+def check_problem(p):
     note(f"problem: {p}")
     x, w, g = _data(p)
     xs = MEMORY[p["memory"]["input"]](_as_layout(x, p))
@@ -177,6 +191,17 @@ def infer_problems(draw):
 
 @given(infer_problems())
 def test_generated_decoding_step_matches_reference(p):
+    check_decoding_step(p)
+
+
+@pytest.mark.extended
+@settings(max_examples=EXTENDED_EXAMPLES)
+@given(infer_problems())
+def test_more_generated_decoding_steps_match_reference(p):
+    check_decoding_step(p)
+
+
+def check_decoding_step(p):
     note(f"problem: {p}")
     rng = np.random.default_rng(p["seed"])
     N, D, block, page = p["N"], p["D"], p["block"], p["page"]
