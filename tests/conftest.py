@@ -10,14 +10,14 @@ from nsa_numba import reference as ref
 from nsa_numba._jit import BOUNDSCHECK
 
 
-#: the two halves of the kernels tests/conftest.py compiles side by side
-WARMUP_PARTS = ('("forward",)', '("backward", "decoding")')
+#: the two halves of the kernels compiled side by side, of about equal compile time
+WARMUP_PARTS = ('("forward", "decoding")', '("backward",)')
 
 
 def pytest_configure(config):
     """Before pytest-xdist starts its workers, compile the kernels into the disk cache
     (``nsa_numba.warmup``, strided views included), in two processes that share out
-    the kernels, so both cores compile and each kernel compiles once: otherwise every
+    the kernels (WARMUP_PARTS), so both cores compile and each kernel compiles once: otherwise every
     worker compiles the same kernels for itself on a fresh clone. (Not in a worker,
     nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
     workers = getattr(config.option, "numprocesses", None)
