@@ -1,4 +1,4 @@
-"""The README's runnable examples run as printed."""
+"""The runnable examples of the README and docs/reference.md run as printed."""
 
 import os
 import pathlib
@@ -8,23 +8,25 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def example(name):
-    """The python block that follows ``<!-- README example: name ...-->``."""
-    text = README.read_text()
-    match = re.search(r"<!-- README example: " + re.escape(name) + r"\b[^>]*-->\s*"
+def example(name, page="README.md"):
+    """The python block that follows ``<!-- README example: name ...-->`` (``docs
+    example`` in the docs) in ``page``."""
+    text = (ROOT / page).read_text()
+    kind = "README" if page == "README.md" else "docs"
+    match = re.search(r"<!-- " + kind + r" example: " + re.escape(name) + r"\b[^>]*-->\s*"
                       r"```python\n(.*?)```", text, re.S)
-    assert match, f"no README example named {name!r}"
+    assert match, f"no example named {name!r} in {page}"
     return match.group(1)
 
 
 def test_training_example_runs():
     if not os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
         pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, "-c", example("training")], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", example("training", "docs/reference.md")],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = re.findall(r"^step (\d): (\d) sequences, loss ([0-9.]+)$", proc.stdout, re.M)
     assert [int(s) for s, _, _ in steps] == [0, 1, 2, 3]
