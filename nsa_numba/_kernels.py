@@ -48,7 +48,7 @@ CACHE_DEPENDS = {
     "_halfprec.py": "6c0f8d3668b474b5",
     "_jit.py": "73935d928af2f0a8",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "446b03efccc56715",
+    "_simd.py": "549e58b43d9b6ed2",
     "_target.py": "64343d6f781c7228",
 }
 

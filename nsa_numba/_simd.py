@@ -50,8 +50,9 @@ REGISTER_LANES = _target.vector_bits() // 32
 #: token can be in take 8 registers and leave the rest for the loads. On AVX2 (16
 #: registers) that is 32 lanes, one 64-byte line of a 16-bit row; 128 lanes (a whole
 #: head of D = 128) spilled there and measured slower than 32. On AVX-512 (32
-#: registers) it is 64 lanes: 1.15x faster than 32 on one thread for 1 KiB bf16 rows,
-#: while 128 lanes measured no faster than 64 (docs/design.md, "Vector widths").
+#: registers) it is 64 lanes: half the loop overhead per element of 32 lanes, and as
+#: fast within this machine's run-to-run spread; 128 lanes measured no faster
+#: (docs/design.md, "Vector widths").
 WIDTH = 4 * REGISTER_LANES
 #: lanes per vector of the backward, whatever the target: its loop holds five input
 #: vectors and four results, which at 32 lanes spilled from AVX2's registers; 8 lanes
