@@ -119,6 +119,7 @@ def _steps(dtype, strided):
     """(op, label, function) triples that between them reach every kernel for
     ``dtype`` on C-contiguous arrays (and with ``strided``, on the views of _VIEWS)."""
     from . import _simd, api
+    from ._seqlens import window_counts
     from ._threading import threads
 
     rng = np.random.default_rng(0)
@@ -128,7 +129,7 @@ def _steps(dtype, strided):
 
     def problem(T, N, D, view):
         seq = [0, T // 3, T]
-        windows = sum(max(0, (b - a - 32) // 16 + 1) for a, b in zip(seq, seq[1:]))
+        windows = int(window_counts(np.diff(seq), 32, 16).sum())
         return view(data(T, N, D)), data(32, N), data(windows, N, D), seq
 
     def forward(T, N, D, view=lambda a: a):

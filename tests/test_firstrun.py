@@ -69,8 +69,8 @@ def test_warmup_compiles_what_calls_need(cold):
     proc = cold("warmup", "--dtype", "fp32", "--strided")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
-    steps = len(lines) - 2          # 6 on contiguous arrays, 4 on strided views
+    # 6 steps on contiguous arrays, 4 on strided views
     assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/10]" for i in range(1, 11)]
     assert lines[-1].startswith("done in ") and lines[-1].endswith(" s")
     assert proc.stderr == ""
-    assert steps == 10 and cold(code=USER_CALLS).stderr == ""   # nothing left to compile
+    assert cold(code=USER_CALLS).stderr == ""           # nothing left to compile

@@ -190,8 +190,11 @@ def _other_cpus():
     return cpus
 
 
-@pytest.mark.parametrize("settings,expected", [c[1:] for c in _other_cpus()],
-                         ids=[c[0] for c in _other_cpus()])
+OTHER_CPUS = _other_cpus()
+
+
+@pytest.mark.parametrize("settings,expected", [c[1:] for c in OTHER_CPUS],
+                         ids=[c[0] for c in OTHER_CPUS])
 def test_kernels_on_other_cpus_match(settings, expected):
     # each build in its own process (a separate test, so the two compile in parallel
     # under pytest-xdist), against this CPU's code run the same way
