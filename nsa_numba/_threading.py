@@ -90,6 +90,19 @@ def tbb_library():
     return _preloaded_tbb
 
 
+def _thread_count_functions():
+    """(get, set) of the calling thread's Numba thread count: once the layer runs, its
+    own C functions, which Numba's public ones call after taking its start-up locks
+    (one of them a process-shared lock) on every call; 55 us more per call after a
+    cache flush. Before that, and should Numba no longer have them, the public ones."""
+    if _nb_parallel._is_initialized:
+        get = getattr(_nb_parallel, "_get_num_threads", None)
+        put = getattr(_nb_parallel, "_set_num_threads", None)
+        if callable(get) and callable(put):
+            return get, put
+    return numba.get_num_threads, numba.set_num_threads
+
+
 def call_with_threads(limit, fn, *args):
     """``fn(*args)`` with Numba's thread count for this thread capped at ``limit``
     (None: no cap), then the count restored.
@@ -98,14 +111,17 @@ def call_with_threads(limit, fn, *args):
     threads run with. Results do not depend on it: tiles are sized by the problem
     alone (see ``_plan``).
     """
-    current = numba.get_num_threads()
+    get, put = _thread_count_functions()
+    current = get()
+    if current < 1:                  # not a count: let Numba's own function say why
+        current = numba.get_num_threads()
     if limit is None or limit >= current:
         return fn(*args)
-    numba.set_num_threads(max(1, limit))
+    put(max(1, limit))
     try:
         return fn(*args)
     finally:
-        numba.set_num_threads(current)
+        put(current)
 
 
 class threads:
