@@ -2,19 +2,61 @@
 
 Like aclnn, running is the second phase: the caller (or ``nsa_numba.api``) sizes the
 workspace from ``plan.workspace_bytes``, allocates it, and passes it here. The
-kernels keep all their scratch in it (per-tile partials, per-thread rows).
+kernels keep all their scratch in it (per-tile partials, per-thread rows). A run
+given no workspace uses one kept per Python thread (``kept_scratch``).
+
+Every training run goes through a :class:`Recipe`, what ``launch`` needs besides
+the arrays; ``recipe`` derives it from a plan, and ``_repeat`` keeps the recipes of
+calls that come again, so that those skip planning.
 """
+
+import threading
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 
 from . import _firstrun, _kernels, _simd, _threading
-from ._plan import WORKSPACE_ALIGN
+from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training run without its arrays: which kernel, on which tiles, with how
+    much scratch. The arrays come to ``launch`` as storage views, in the order of
+    ``ROLES[op]``."""
+    op: str                  # "forward" or "grad"
+    dtype: np.dtype          # the call's dtype (named if a kernel compiles)
+    storage: np.dtype        # the dtype the kernels see its arrays as (_plan.STORAGE)
+    accumulator: np.dtype
+    kernel: object           # forward_kernel's choice, or compress_backward
+    vector: bool             # backward: token pairs in _simd vectors (backward_vector)
+    tiles: np.ndarray
+    stride: int
+    D: int
+    useful: int              # Plan.threads_useful
+    partials: tuple          # weight-gradient partials' shape [n_tiles, N, l] (n_tiles 0: none)
+    partial_elements: int    # elements before the scratch rows (Plan.partial_elements)
+    rows: tuple              # scratch rows' shape [slots, elements]
+
+    @property
+    def scratch_bytes(self):
+        return ((self.partial_elements + self.rows[0] * self.rows[1])
+                * self.accumulator.itemsize)
+
+
+#: the storage views ``launch`` takes, by op, in order
+ROLES = {"forward": ("input", "out"), "grad": ("grad", "input", "input_grad", "weight_grad")}
+
+
+def weight_table(weight, accumulator):
+    """``weight`` ``[l, N]`` as ``[N, l]`` in the accumulator dtype (small: read once
+    per run)."""
+    return np.ascontiguousarray(weight.astype(accumulator).T)
 
 
 def _weight_table(plan):
-    """The weight as ``[N, l]`` in the accumulator dtype (small: read once per run)."""
-    return np.ascontiguousarray(plan.arrays["weight"].astype(plan.accumulator).T)
+    return weight_table(plan.arrays["weight"], plan.accumulator)
 
 
 def _aligned_elements(plan, workspace):
@@ -22,6 +64,12 @@ def _aligned_elements(plan, workspace):
     boundary, as accumulator elements."""
     skip = -workspace.ctypes.data % WORKSPACE_ALIGN
     return workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator)
+
+
+def _cut(elements, partials, partial_elements, rows):
+    """(partials, scratch rows) of accumulator ``elements`` laid out as ``carve`` says."""
+    return (elements[:partials[0] * partials[1] * partials[2]].reshape(partials),
+            elements[partial_elements:].reshape(rows))
 
 
 def carve(plan, workspace):
@@ -32,12 +80,56 @@ def carve(plan, workspace):
     in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
     starts at a boundary too).
     """
-    elements = _aligned_elements(plan, workspace)
     n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0   # none in the forward
-    partials = elements[:n_tiles * plan.N * plan.block].reshape(n_tiles, plan.N, plan.block)
-    scratch = elements[plan.partial_elements:].reshape(plan.scratch_slots,
-                                                       plan.scratch_elements)
-    return partials, scratch
+    return _cut(_aligned_elements(plan, workspace), (n_tiles, plan.N, plan.block),
+                plan.partial_elements, (plan.scratch_slots, plan.scratch_elements))
+
+
+#: a Python thread keeps the scratch of its runs given no workspace, up to this size,
+#: for its next ones. A new buffer of a MiB or more comes from the system as fresh
+#: pages, and the first touch of each costs a page fault: a backward on 1.1 MiB of new
+#: scratch took 0.9 ms longer than on kept scratch (T = 16384, N = 16, 2 threads), a
+#: sixth of the call.
+KEPT_SCRATCH_BYTES = 16 << 20
+
+
+class _Kept(threading.local):
+    buffer = None       # 64-byte aligned bytes
+    cuts = None         # (accumulator, partials, rows) -> (partials, scratch) in it
+    busy = False        # a run on this thread is using it
+
+
+_kept = _Kept()
+
+
+def kept_scratch(recipe):
+    """(partials, scratch) for a run without a caller's workspace: views of this
+    thread's kept buffer (grown as needed, up to KEPT_SCRATCH_BYTES), or of new
+    memory when the run needs more or the buffer is in use (a signal handler's call
+    in the middle of a run). The kernels write every scratch element before they
+    read it, so reuse changes no bit of any result."""
+    kept = _kept
+    key = (recipe.accumulator, recipe.partials, recipe.rows)
+    if not kept.busy and kept.cuts is not None:
+        cut = kept.cuts.get(key)
+        if cut is not None:
+            return cut
+    nbytes = recipe.scratch_bytes
+    if kept.busy or nbytes > KEPT_SCRATCH_BYTES:
+        elements = np.empty(nbytes + WORKSPACE_ALIGN, np.uint8)
+        skip = -elements.ctypes.data % WORKSPACE_ALIGN
+        return _cut(elements[skip:skip + nbytes].view(recipe.accumulator), recipe.partials,
+                    recipe.partial_elements, recipe.rows)
+    if kept.buffer is None or kept.buffer.size < nbytes:
+        raw = np.empty(nbytes + WORKSPACE_ALIGN, np.uint8)
+        skip = -raw.ctypes.data % WORKSPACE_ALIGN
+        kept.buffer, kept.cuts = raw[skip:skip + nbytes], {}
+    elif len(kept.cuts) >= 64:
+        kept.cuts.clear()
+    cut = _cut(kept.buffer[:nbytes].view(recipe.accumulator), recipe.partials,
+               recipe.partial_elements, recipe.rows)
+    kept.cuts[key] = cut
+    return cut
 
 
 def simd_fits(plan, x, out):
@@ -83,49 +175,93 @@ def new_workspace(plan):
     return np.empty(plan.workspace_bytes, dtype=np.uint8)
 
 
+def storage_views(plan, workspace=None):
+    """The plan's arrays as its kernels take them, in the order of ``ROLES``."""
+    return tuple(plan.storage(role, workspace) for role in ROLES[plan.op])
+
+
+def recipe(plan, views):
+    """The :class:`Recipe` of a training ``plan`` run on storage ``views``."""
+    if plan.op == "forward":
+        kernel, vector = forward_kernel(plan, *views), False
+    else:
+        kernel, vector = _kernels.compress_backward, backward_vector(plan, *views[1:3])
+    n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0
+    return Recipe(plan.op, plan.dtype, STORAGE[kind_of(plan.dtype)], plan.accumulator,
+                  kernel, vector, plan.tiles, plan.stride, plan.D, plan.threads_useful,
+                  (n_tiles, plan.N, plan.block), plan.partial_elements,
+                  (plan.scratch_slots, plan.scratch_elements))
+
+
+def launch(recipe, views, wt, scratch, threads=None):
+    """Run a training recipe: ``views`` its storage views (``ROLES``), ``wt`` its
+    ``weight_table``, ``scratch`` its (partials, rows), on at most ``threads``
+    threads (None: Numba's count for the calling thread)."""
+    useful = recipe.useful if threads is None else min(threads, recipe.useful)
+    _firstrun.calling = recipe.dtype      # named if a kernel compiles now
+    partials, rows = scratch
+    if recipe.op == "forward":
+        x, out = views
+        _threading.launch(recipe.kernel, useful, x, wt, out, recipe.tiles, recipe.stride,
+                          recipe.D, rows)
+        return
+    g, x, ig, wg = views
+    _threading.launch(recipe.kernel, useful, g, x, wt, ig, partials, recipe.tiles,
+                      recipe.stride, recipe.D, rows, recipe.vector)
+    _kernels.reduce_weight_grad(partials, wg)
+
+
+def launch_kept(recipe, views, wt, threads=None):
+    """``launch`` on this thread's kept scratch (``kept_scratch``), marked in use
+    meanwhile."""
+    kept = _kept
+    scratch = kept_scratch(recipe)
+    was, kept.busy = kept.busy, True
+    try:
+        launch(recipe, views, wt, scratch, threads)
+    finally:
+        kept.busy = was
+
+
 def run(plan, workspace=None, threads=None):
-    """Compute the plan's outputs.
+    """Compute the plan's outputs; return its Recipe (None for a decoding step).
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
-    ``plan.workspace_bytes`` (allocated here when None). ``threads``: at most this
-    many threads (None: Numba's count for the calling thread).
+    ``plan.workspace_bytes`` (None: this thread's kept scratch, ``kept_scratch``).
+    ``threads``: at most this many threads (None: Numba's count for the calling
+    thread).
     """
-    launch = prepare(plan, workspace, threads)
-    if launch is not None:
-        launch()
-
-
-def prepare(plan, workspace=None, threads=None):
-    """The plan's kernel launches as a function of no arguments (None when there is
-    nothing to compute), with everything before them done: workspace carved, weight
-    table built, kernel and thread count chosen. ``run`` calls it at once;
-    ``bench --split`` times it apart from the Python work of a call."""
-    useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
-    _firstrun.calling = plan.dtype      # named if a kernel compiles now
     if plan.op == "infer":
-        return _prepare_infer(plan, workspace, useful)
+        step = _prepare_infer(plan, workspace, threads)
+        if step is not None:
+            step()
+        return None
+    views = storage_views(plan, workspace)
+    chosen = recipe(plan, views)
     if workspace is None:
-        workspace = new_workspace(plan)
-    partials, scratch = carve(plan, workspace)
-    wt = _weight_table(plan)
-    if plan.op == "forward":
-        x, out = plan.storage("input", workspace), plan.storage("out")
-        kernel = forward_kernel(plan, x, out)
-        return lambda: _threading.launch(kernel, useful, x, wt, out, plan.tiles, plan.stride,
-                                         plan.D, scratch)
-    x, ig = plan.storage("input", workspace), plan.storage("input_grad")
-    g, wg = plan.storage("grad", workspace), plan.storage("weight_grad")
-    vector = backward_vector(plan, x, ig)
+        launch_kept(chosen, views, _weight_table(plan), threads)
+    else:
+        launch(chosen, views, _weight_table(plan), carve(plan, workspace), threads)
+    return chosen
 
-    def backward():
-        _threading.launch(_kernels.compress_backward, useful, g, x, wt, ig, partials,
-                          plan.tiles, plan.stride, plan.D, scratch, vector)
-        _kernels.reduce_weight_grad(partials, wg)
-    return backward
+
+def prepare(plan, workspace, threads=None):
+    """The plan's kernel launches as a function of no arguments (None when there is
+    nothing to compute), with everything before them done in ``workspace``
+    (``new_workspace``): views, recipe, weight table, scratch. ``bench --split``
+    times it apart from the Python work of a call."""
+    if plan.op == "infer":
+        return _prepare_infer(plan, workspace, threads)
+    views = storage_views(plan, workspace)
+    chosen = recipe(plan, views)
+    wt, scratch = _weight_table(plan), carve(plan, workspace)
+    return lambda: launch(chosen, views, wt, scratch, threads)
 
 
 def _prepare_infer(plan, workspace, threads):
     """The with-cache operator: one kernel launch over the writing sequences."""
+    useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
+    _firstrun.calling = plan.dtype      # named if a kernel compiles now
     if not plan.writers:
         return None
     if workspace is None:
@@ -134,6 +270,6 @@ def _prepare_infer(plan, workspace, threads):
                                                          plan.scratch_elements)
     args = (plan.storage("input"), _weight_table(plan), plan.storage("cache"), plan.slots,
             plan.source, plan.D, scratch)
-    if threads == 1:
+    if useful == 1:
         return lambda: _kernels.compress_infer_serial(*args)
-    return lambda: _threading.launch(_kernels.compress_infer, threads, *args)
+    return lambda: _threading.launch(_kernels.compress_infer, useful, *args)

@@ -63,26 +63,26 @@ def reference(world_size):
 
 
 def record_launch_threads():
-    """A list that receives, for every kernel launch this process makes from now
-    on, (Numba's thread count while the kernel ran, the threads its work could have
-    used: ``Plan.threads_useful``)."""
+    """A list that receives, for every training kernel launch this process makes from
+    now on, (Numba's thread count while the kernel ran, the threads its work could
+    have used: ``Recipe.useful``)."""
     import numba
 
     from nsa_numba import _dispatch, _threading
     seen = []
-    run, launch = _dispatch.run, _threading.launch
+    run_recipe, threaded = _dispatch.launch, _threading.launch
 
-    def recording_run(plan, *args, **kwargs):
-        seen.append([None, plan.threads_useful])
-        return run(plan, *args, **kwargs)
+    def recording_recipe(recipe, *args, **kwargs):
+        seen.append([None, recipe.useful])
+        return run_recipe(recipe, *args, **kwargs)
 
     def recording_launch(kernel, threads, *args):
         def kernel_recorded(*args):
             seen[-1][0] = numba.get_num_threads()
             return kernel(*args)
-        return launch(kernel_recorded, threads, *args)
+        return threaded(kernel_recorded, threads, *args)
 
-    _dispatch.run, _threading.launch = recording_run, recording_launch
+    _dispatch.launch, _threading.launch = recording_recipe, recording_launch
     return seen
 
 
