@@ -2,7 +2,9 @@
 
 ``plan_forward`` and ``plan_grad`` check every argument, work out the sequence
 geometry and the tile schedule, and return a :class:`Plan`. Nothing is written
-before a plan exists, so a rejected call leaves every output untouched. The Python
+before a plan exists, so a rejected call leaves every output untouched. (A call
+that comes again with everything these checks read unchanged reuses the plan of
+the first, ``_repeat``; the checks it skips would have given the same answers.) The Python
 API (``nsa_numba.nsa_compress``...) and the aclnn mirror differ only in the
 :class:`Rules` they pass: parameter names, the dtypes allowed, whether missing
 outputs are allocated, and strictness.

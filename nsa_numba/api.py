@@ -1,9 +1,22 @@
 """The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress`` and
 ``npu_nsa_compress_infer``."""
 
-from . import _dispatch
+from . import _dispatch, _repeat
 from ._infer import InferRules, plan_infer
-from ._plan import Rules, plan_forward, plan_grad
+from ._plan import Rules
+
+_FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
+#: one Rules object per operator and strictness: calls that come again are known by it
+#: (``_repeat``); a ``strict`` that is not a bool gets new Rules and the full path
+_RULES = {(op, strict): Rules(op, strict=strict) for op in (_FORWARD, _GRAD)
+          for strict in (False, True)}
+
+
+def _rules(op, strict):
+    """(Rules, whether ``_repeat`` may know the call by them)."""
+    if strict is True or strict is False:
+        return _RULES[op, strict], True
+    return Rules(op, strict=strict), False
 
 
 def nsa_compress(input, weight, compress_block_size, compress_stride, *,
@@ -50,11 +63,10 @@ def nsa_compress(input, weight, compress_block_size, compress_stride, *,
         (a ValueError) with ``.status`` 161001 for a required array that is None,
         161002 for any other invalid argument. Nothing is written then.
     """
-    plan = plan_forward(Rules("nsa_compress", strict=strict), input, weight,
-                        compress_block_size, compress_stride, actual_seq_len,
-                        actual_seq_len_type, layout, out)
-    _dispatch.run(plan)
-    return plan.arrays["out"]
+    rules, known = _rules(_FORWARD, strict)
+    return _repeat.compress(rules, (input, weight, compress_block_size, compress_stride,
+                                    actual_seq_len, actual_seq_len_type, layout, out),
+                            known=known)
 
 
 def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
@@ -75,11 +87,10 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
     Returns ``(input_grad, weight_grad)`` in ``input``'s dtype. Deterministic:
     bitwise identical results for any thread count.
     """
-    plan = plan_grad(Rules("nsa_compress_grad", strict=strict), grad, input, weight,
-                     compress_block_size, compress_stride, actual_seq_len,
-                     actual_seq_len_type, layout, input_grad, weight_grad)
-    _dispatch.run(plan)
-    return plan.arrays["input_grad"], plan.arrays["weight_grad"]
+    rules, known = _rules(_GRAD, strict)
+    return _repeat.compress_grad(rules, (grad, input, weight, compress_block_size,
+                                         compress_stride, actual_seq_len, actual_seq_len_type,
+                                         layout, input_grad, weight_grad), known=known)
 
 
 def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compress_stride,

@@ -38,10 +38,10 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import _dispatch, _seqlens
+from . import _dispatch, _repeat, _seqlens
 from ._errors import invalid, missing
 from ._infer import InferRules, plan_infer
-from ._plan import Rules, plan_forward, plan_grad
+from ._plan import Rules
 
 __all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer"]
 
@@ -94,23 +94,15 @@ def _seq_values(op, values, tensor):
     return tensor.numpy()
 
 
-def _run(plan):
-    """Run a plan on at most ``torch.get_num_threads()`` threads."""
-    _dispatch.run(plan, threads=torch.get_num_threads())
-
-
-# -- the operators -----------------------------------------------------------------
-# Both take the sequence ends as a list (``actual_seq_len``) or as a tensor
-# (``actual_seq_len_tensor``), never both; the public functions choose.
-
 def _compress_impl(input, weight, block, stride, values, tensor):
-    """The forward on tensors: plan, run, the output as a tensor."""
+    """The forward on tensors: the output as a tensor, on at most
+    ``torch.get_num_threads()`` threads."""
     x = _as_numpy(_FORWARD, "input", input)
     w = _as_numpy(_FORWARD, "weight", weight)
-    plan = plan_forward(_RULES[_FORWARD], x, w, block, stride,
-                        _seq_values(_FORWARD, values, tensor), 0, "TND", None)
-    _run(plan)
-    return _as_tensor(plan.arrays["out"])
+    seq = _seq_values(_FORWARD, values, tensor)
+    return _as_tensor(_repeat.compress(_RULES[_FORWARD], (x, w, block, stride, seq, 0, "TND",
+                                                          None),
+                                       threads=torch.get_num_threads()))
 
 
 def _compress_grad_impl(grad, input, weight, block, stride, values, tensor):
@@ -118,10 +110,11 @@ def _compress_grad_impl(grad, input, weight, block, stride, values, tensor):
     g = _as_numpy(_GRAD, "grad", grad)
     x = _as_numpy(_GRAD, "input", input)
     w = _as_numpy(_GRAD, "weight", weight)
-    plan = plan_grad(_RULES[_GRAD], g, x, w, block, stride, _seq_values(_GRAD, values, tensor),
-                     0, "TND", None, None)
-    _run(plan)
-    return [_as_tensor(plan.arrays["input_grad"]), _as_tensor(plan.arrays["weight_grad"])]
+    seq = _seq_values(_GRAD, values, tensor)
+    outputs = _repeat.compress_grad(_RULES[_GRAD], (g, x, w, block, stride, seq, 0, "TND",
+                                                    None, None),
+                                    threads=torch.get_num_threads())
+    return [_as_tensor(a) for a in outputs]
 
 
 @torch.library.custom_op("nsa_numba::nsa_compress", mutates_args=())
@@ -420,7 +413,7 @@ def _nsa_compress_infer(input: torch.Tensor, weight: torch.Tensor, slot_mapping:
                       _index_numpy(op, "block_table", block_table),
                       _index_numpy(op, "actual_seq_len", actual_seq_len), 1, "TND",
                       _as_numpy(op, "cache", cache))
-    _run(plan)
+    _dispatch.run(plan, threads=torch.get_num_threads())
 
 
 @_nsa_compress_infer.register_fake

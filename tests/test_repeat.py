@@ -1,0 +1,249 @@
+"""Calls that come again (``_repeat``): a call whose signature a successful call had
+skips planning; its results and its errors must be those of the full path."""
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nsa_numba
+from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
+from nsa_numba import NsaError, _dispatch, _repeat, _threading
+
+L, S = 32, 16
+T, N, D = 300, 4, 32
+SEQ = [100, 172, 300]
+TP = 5 + 3 + 7           # windows of the three sequences
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Start with nothing kept; count the calls that are planned the full way."""
+    _repeat.forget()
+    counted = {"forward": 0, "grad": 0}
+    real = _repeat.plan_forward, _repeat.plan_grad
+
+    def forward(*args):
+        counted["forward"] += 1
+        return real[0](*args)
+
+    def grad(*args):
+        counted["grad"] += 1
+        return real[1](*args)
+
+    monkeypatch.setattr(_repeat, "plan_forward", forward)
+    monkeypatch.setattr(_repeat, "plan_grad", grad)
+    yield counted
+    _repeat.forget()
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def full_way(fn, *args, **kwargs):
+    """``fn``'s result with nothing kept, and what it keeps dropped after."""
+    saved = dict(_repeat._entries)
+    _repeat.forget()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _repeat.forget()
+        _repeat._entries.update(saved)
+
+
+SEQUENCES = [(SEQ, 0), (tuple(SEQ), 0), (np.array(SEQ, np.int32), 0), ([100, 72, 128], 1),
+             (None, 0)]
+
+
+@pytest.mark.parametrize("seq,seq_type", SEQUENCES, ids=["list", "tuple", "array", "lengths",
+                                                         "none"])
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "given"])
+def test_repeated_calls_are_the_full_paths_results(plans, dtype, seq, seq_type, given):
+    for seed in range(3):     # new arrays each call, as a model's layers make them
+        x, w, g = random_problem(T, N, D, L, S, seq, dtype, seq_type, seed=seed)
+        out = np.full((g.shape[0], N, D), np.nan, dtype) if given else None
+        dx = np.full(x.shape, np.nan, dtype) if given else None
+        dw = np.full(w.shape, np.nan, dtype) if given else None
+        y = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq, actual_seq_len_type=seq_type,
+                                   out=out)
+        gx, gw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq,
+                                             actual_seq_len_type=seq_type, input_grad=dx,
+                                             weight_grad=dw)
+        assert (y is out) if given else True
+        assert_forward_accurate(y, x, w, L, S, seq, seq_type)
+        assert_grad_accurate(gx, gw, g, x, w, L, S, seq, seq_type)
+        # the same calls the full way: the same bits
+        assert np.array_equal(bits(full_way(nsa_numba.nsa_compress, x, w, L, S,
+                                            actual_seq_len=seq,
+                                            actual_seq_len_type=seq_type)), bits(y))
+        full = full_way(nsa_numba.nsa_compress_grad, g, x, w, L, S, actual_seq_len=seq,
+                        actual_seq_len_type=seq_type)
+        assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(full, (gx, gw)))
+    # the first seed's call was planned, and each full-way call; no other call was
+    assert plans == {"forward": 4, "grad": 4}
+
+
+@pytest.mark.parametrize("layout,shape,out_shape", [
+    ("BSND", (3, 100, N, D), (3, 5, N, D)),
+    ("BSH", (3, 100, N * D), (3, 5, N * D)),
+])
+def test_padded_layouts_repeat(plans, layout, shape, out_shape):
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32)
+        w = rng.standard_normal((L, N)).astype(np.float32)
+        g = rng.standard_normal(out_shape).astype(np.float32)
+        y = nsa_numba.nsa_compress(x, w, L, S, layout=layout)
+        gx, gw = nsa_numba.nsa_compress_grad(g, x, w, L, S, layout=layout)
+        x3 = x.reshape(3 * 100, N, D)
+        ends = [100, 200, 300]
+        assert_forward_accurate(y.reshape(-1, N, D), x3, w, L, S, ends)
+        assert_grad_accurate(gx.reshape(-1, N, D), gw, g.reshape(-1, N, D), x3, w, L, S, ends)
+    assert plans == {"forward": 1, "grad": 1}
+
+
+def good(dtype=np.float16, seed=0):
+    x, w, g = random_problem(T, N, D, L, S, SEQ, dtype, seed=seed)
+    return x, w, g
+
+
+LENGTHS = dict(actual_seq_len=[1, 171, 128], actual_seq_len_type=1)
+REJECTED = [
+    # (a valid call, a change that compares equal to it (==, hash) but is refused)
+    ({}, dict(actual_seq_len=[100.0, 172, 300]), "must be an integer"),
+    (LENGTHS, dict(actual_seq_len=[True, 171, 128]), "must be an integer"),
+    ({}, dict(compress_block_size=32.0), "compress_block_size must be an integer"),
+    ({}, dict(compress_stride=np.float64(16)), "compress_stride must be an integer"),
+    ({}, dict(actual_seq_len=np.array([100, 172, 300], np.float64)), "must hold integers"),
+    (LENGTHS, dict(actual_seq_len_type=True), "actual_seq_len_type must be an integer"),
+    ({}, dict(actual_seq_len_type=False), "actual_seq_len_type must be an integer"),
+]
+
+
+@pytest.mark.parametrize("op", ["forward", "grad"])
+@pytest.mark.parametrize("valid,change,fragment", REJECTED)
+def test_kept_signatures_keep_every_check(plans, op, valid, change, fragment):
+    x, w, _ = good()
+    call = dict(dict(compress_block_size=L, compress_stride=S, actual_seq_len=SEQ), **valid)
+    y = nsa_numba.nsa_compress(x, w, **call)
+    g = np.ones_like(y)
+    if op == "forward":
+        fn, args, outputs = nsa_numba.nsa_compress, (x, w), dict(out=np.zeros_like(y))
+    else:
+        fn, args = nsa_numba.nsa_compress_grad, (g, x, w)
+        outputs = dict(input_grad=np.zeros_like(x), weight_grad=np.zeros_like(w))
+    fn(*args, **call, **outputs)                               # kept, outputs given
+    before = {k: bits(v).copy() for k, v in outputs.items()}
+    with pytest.raises(NsaError, match=fragment):
+        fn(*args, **dict(call, **change), **outputs)
+    assert all(np.array_equal(bits(outputs[k]), v) for k, v in before.items())
+    assert _repeat._entries                                    # the valid calls were kept
+
+
+OVERLAPS = [
+    # outputs with a kept signature (the shapes, strides and dtype of new arrays) that
+    # share memory with the inputs
+    ("forward", lambda x, w, g: dict(out=x[:TP]), "out overlaps input"),
+    ("grad", lambda x, w, g: dict(input_grad=x), "input_grad overlaps input"),
+    ("grad", lambda x, w, g: dict(weight_grad=w), "weight_grad overlaps weight"),
+    ("grad", lambda x, w, g: dict(input_grad=np.zeros_like(x), weight_grad=w[::-1][::-1]),
+     "weight_grad overlaps weight"),
+]
+
+
+@pytest.mark.parametrize("op,make,fragment", OVERLAPS)
+def test_kept_signatures_still_check_overlap(plans, op, make, fragment):
+    x, w, g = good()
+    outputs = make(x, w, g)
+    fresh = {k: np.zeros_like(v) for k, v in outputs.items()}
+    call = dict(compress_block_size=L, compress_stride=S, actual_seq_len=SEQ)
+    fn = nsa_numba.nsa_compress if op == "forward" else nsa_numba.nsa_compress_grad
+    args = (x, w) if op == "forward" else (g, x, w)
+    fn(*args, **call, **fresh)                                  # kept
+    before = [bits(a).copy() for a in (x, w, g)]
+    with pytest.raises(NsaError, match=fragment):
+        fn(*args, **call, **outputs)
+    assert all(np.array_equal(bits(a), b) for a, b in zip((x, w, g), before))
+
+
+def test_read_only_outputs_are_refused_after_writable_ones(plans):
+    x, w, _ = good()
+    out = np.zeros((TP, N, D), x.dtype)
+    nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ, out=out)
+    out.flags.writeable = False
+    with pytest.raises(NsaError, match="out must be writable"):
+        nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ, out=out)
+
+
+def test_strictness_is_part_of_the_signature(plans):
+    x = np.zeros((40, 1, 16), np.float32)
+    w = np.zeros((L, 1), np.float32)
+    assert nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=[20, 40], strict=False).shape[0] == 0
+    with pytest.raises(NsaError, match="no sequence is as long"):
+        nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=[20, 40])
+    # a strict that is not a bool works, the full way every time
+    for _ in range(2):
+        nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=[20, 40], strict=0)
+    assert plans["forward"] == 4
+
+
+def test_non_contiguous_calls_are_not_kept(plans):
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        x = rng.standard_normal((T, N, 2 * D)).astype(ml_dtypes.bfloat16)[..., ::2]
+        w = rng.standard_normal((L, N)).astype(ml_dtypes.bfloat16)
+        assert_forward_accurate(nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ),
+                                x, w, L, S, SEQ)
+    assert plans["forward"] == 2 and not _repeat._entries
+
+
+def test_kept_signatures_are_bounded(plans):
+    w = np.zeros((L, 1), np.float32)
+    for t in range(_repeat.KEPT + 5):
+        nsa_numba.nsa_compress(np.zeros((L + t, 1, 16), np.float32), w, L, S)
+    assert len(_repeat._entries) == _repeat.KEPT
+
+
+def test_a_call_inside_a_call_gets_its_own_scratch(plans, monkeypatch):
+    # A call made while this thread's run is under way (as a signal handler's would
+    # be) must not use the scratch that run is using.
+    x, w, g = good(np.float32)
+    expected = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    real = _threading.launch
+    inner = []
+
+    def launch_and_interrupt(kernel, threads, *args):
+        result = real(kernel, threads, *args)     # the outer backward's partials are written
+        if not inner:
+            inner.append(None)
+            inner[0] = nsa_numba.nsa_compress_grad(g[::-1].copy(), x, w, L, S,
+                                                   actual_seq_len=SEQ)
+        return result
+
+    monkeypatch.setattr(_threading, "launch", launch_and_interrupt)
+    got = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    assert inner[0] is not None and all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert not _dispatch._kept.busy
+
+
+def test_threads_keep_their_own_scratch(plans):
+    # Python threads calling at once: each result is the one-thread result
+    problems = [good(np.float32, seed) for seed in range(4)]
+    expected = [nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+                for x, w, g in problems]
+    results = {}
+
+    def work(i):
+        x, w, g = problems[i]
+        for _ in range(20):
+            results[i] = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (dx, dw) in enumerate(expected):
+        assert np.array_equal(results[i][0], dx) and np.array_equal(results[i][1], dw)
