@@ -17,7 +17,7 @@ import numba
 import numpy as np
 
 from . import _firstrun, _kernels, _simd, _threading
-from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of
+from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,9 @@ class Recipe:
                 * self.accumulator.itemsize)
 
 
-#: the storage views ``launch`` takes, by op, in order
-ROLES = {"forward": ("input", "out"), "grad": ("grad", "input", "input_grad", "weight_grad")}
-
-
-def weight_table(weight, accumulator):
-    """``weight`` ``[l, N]`` as ``[N, l]`` in the accumulator dtype (small: read once
-    per run)."""
-    return np.ascontiguousarray(weight.astype(accumulator).T)
-
-
-def _weight_table(plan):
-    return weight_table(plan.arrays["weight"], plan.accumulator)
+#: the storage views ``launch`` takes, by op, in the kernels' order
+ROLES = {"forward": ("input", "weight", "out"),
+         "grad": ("grad", "input", "weight", "input_grad", "weight_grad")}
 
 
 def _aligned_elements(plan, workspace):
@@ -183,9 +174,9 @@ def storage_views(plan, workspace=None):
 def recipe(plan, views):
     """The :class:`Recipe` of a training ``plan`` run on storage ``views``."""
     if plan.op == "forward":
-        kernel, vector = forward_kernel(plan, *views), False
+        kernel, vector = forward_kernel(plan, views[0], views[2]), False
     else:
-        kernel, vector = _kernels.compress_backward, backward_vector(plan, *views[1:3])
+        kernel, vector = _kernels.compress_backward, backward_vector(plan, views[1], views[3])
     n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0
     return Recipe(plan.op, plan.dtype, STORAGE[kind_of(plan.dtype)], plan.accumulator,
                   kernel, vector, plan.tiles, plan.stride, plan.D, plan.threads_useful,
@@ -193,32 +184,32 @@ def recipe(plan, views):
                   (plan.scratch_slots, plan.scratch_elements))
 
 
-def launch(recipe, views, wt, scratch, threads=None):
-    """Run a training recipe: ``views`` its storage views (``ROLES``), ``wt`` its
-    ``weight_table``, ``scratch`` its (partials, rows), on at most ``threads``
-    threads (None: Numba's count for the calling thread)."""
+def launch(recipe, views, scratch, threads=None):
+    """Run a training recipe: ``views`` its storage views (``ROLES``), ``scratch`` its
+    (partials, rows), on at most ``threads`` threads (None: Numba's count for the
+    calling thread)."""
     useful = recipe.useful if threads is None else min(threads, recipe.useful)
     _firstrun.calling = recipe.dtype      # named if a kernel compiles now
     partials, rows = scratch
     if recipe.op == "forward":
-        x, out = views
-        _threading.launch(recipe.kernel, useful, x, wt, out, recipe.tiles, recipe.stride,
+        x, w, out = views
+        _threading.launch(recipe.kernel, useful, x, w, out, recipe.tiles, recipe.stride,
                           recipe.D, rows)
         return
-    g, x, ig, wg = views
-    _threading.launch(recipe.kernel, useful, g, x, wt, ig, partials, recipe.tiles,
+    g, x, w, ig, wg = views
+    _threading.launch(recipe.kernel, useful, g, x, w, ig, partials, recipe.tiles,
                       recipe.stride, recipe.D, rows, recipe.vector)
     _kernels.reduce_weight_grad(partials, wg)
 
 
-def launch_kept(recipe, views, wt, threads=None):
+def launch_kept(recipe, views, threads=None):
     """``launch`` on this thread's kept scratch (``kept_scratch``), marked in use
     meanwhile."""
     kept = _kept
     scratch = kept_scratch(recipe)
     was, kept.busy = kept.busy, True
     try:
-        launch(recipe, views, wt, scratch, threads)
+        launch(recipe, views, scratch, threads)
     finally:
         kept.busy = was
 
@@ -239,23 +230,22 @@ def run(plan, workspace=None, threads=None):
     views = storage_views(plan, workspace)
     chosen = recipe(plan, views)
     if workspace is None:
-        launch_kept(chosen, views, _weight_table(plan), threads)
+        launch_kept(chosen, views, threads)
     else:
-        launch(chosen, views, _weight_table(plan), carve(plan, workspace), threads)
+        launch(chosen, views, carve(plan, workspace), threads)
     return chosen
 
 
 def prepare(plan, workspace, threads=None):
     """The plan's kernel launches as a function of no arguments (None when there is
     nothing to compute), with everything before them done in ``workspace``
-    (``new_workspace``): views, recipe, weight table, scratch. ``bench --split``
-    times it apart from the Python work of a call."""
+    (``new_workspace``): views, recipe, scratch. ``bench --split`` times it apart
+    from the Python work of a call."""
     if plan.op == "infer":
         return _prepare_infer(plan, workspace, threads)
     views = storage_views(plan, workspace)
-    chosen = recipe(plan, views)
-    wt, scratch = _weight_table(plan), carve(plan, workspace)
-    return lambda: launch(chosen, views, wt, scratch, threads)
+    chosen, scratch = recipe(plan, views), carve(plan, workspace)
+    return lambda: launch(chosen, views, scratch, threads)
 
 
 def _prepare_infer(plan, workspace, threads):
@@ -268,8 +258,9 @@ def _prepare_infer(plan, workspace, threads):
         workspace = new_workspace(plan)
     scratch = _aligned_elements(plan, workspace).reshape(plan.scratch_slots,
                                                          plan.scratch_elements)
-    args = (plan.storage("input"), _weight_table(plan), plan.storage("cache"), plan.slots,
-            plan.source, plan.D, scratch)
+    weight = weight_storage(plan.arrays["weight"], STORAGE[kind_of(plan.dtype)])
+    args = (plan.storage("input"), weight, plan.storage("cache"), plan.slots, plan.source,
+            plan.D, scratch)
     if useful == 1:
         return lambda: _kernels.compress_infer_serial(*args)
     return lambda: _threading.launch(_kernels.compress_infer, useful, *args)

@@ -2,8 +2,9 @@
 
 Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs as
 ``[B, S, N, D]`` views (``_layouts``) in their storage dtype with any strides,
-``wt`` as the weight transposed to ``[N, l]`` in the accumulator dtype, ``tiles``
-as the table from ``_plan.tile_schedule``. N comes from ``wt`` and D is an argument,
+``w`` as the weight ``[l, N]`` (each kernel first widens it into ``wt``, ``[N, l]``
+in the accumulator dtype: ``weight_table``), ``tiles`` as the table from
+``_plan.tile_schedule``. N comes from ``wt`` and D is an argument,
 never an array's shape: an array may arrive as a C-contiguous carrier padded beyond
 its own extent (``_layouts.c_carrier``), of which the kernels index only
 ``[:, :, :N, :D]``. An input read at a step of elements may arrive as words
@@ -31,7 +32,7 @@ token and head that cost about half of the forward's time on short rows.
 """
 
 import numpy as np
-from numba import from_dtype, get_thread_id, prange
+from numba import from_dtype, get_thread_id, prange, types
 from numba.extending import overload
 
 from ._halfprec import narrow, widen
@@ -57,6 +58,35 @@ GROUP = 4
 #: token rows (N * D elements) shorter than this never use compress_forward (the kernel
 #: each problem gets: _dispatch.forward_kernel)
 GROUPED_MIN_ROW = 2048
+
+def _table_for(w):
+    """An empty ``[N, l]`` array in the accumulator dtype of weight storage ``w``."""
+    return np.empty((w.shape[1], w.shape[0]),
+                    np.float64 if w.dtype == np.float64 else np.float32)
+
+
+@overload(_table_for, jit_options=OVERLOAD_OPTIONS)
+def _table_for_typed(w):
+    accumulator = np.float64 if w.dtype == types.float64 else np.float32
+
+    def table(w):
+        return np.empty((w.shape[1], w.shape[0]), accumulator)
+    return table
+
+
+@jit
+def weight_table(w):
+    """The weight's storage ``w`` ``[l, N]`` as the ``[N, l]`` accumulator table the
+    kernels read. Each kernel builds it first: one small pass in compiled code, where
+    NumPy's ``astype`` of a bfloat16 array and a transposed copy cost a call 50-75 us
+    after a cache flush. Every storage format widens exactly, so the table is the
+    weight's values."""
+    wt = _table_for(w)
+    for j in range(w.shape[0]):
+        for n in range(w.shape[1]):
+            wt[n, j] = widen(w[j, n])
+    return wt
+
 
 #: Numba dtypes of the storage whose rows ``_simd`` converts (compress_backward's
 #: vector pairs)
@@ -167,7 +197,7 @@ def _segment_end(rel, lo, hi, last, block, stride, end):
 
 
 @jit_parallel
-def compress_forward(x, wt, out, tiles, stride, D, scratch):
+def compress_forward(x, w, out, tiles, stride, D, scratch):
     """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
 
     A unit is one tile, all heads: it streams the tile's tokens in memory order and
@@ -177,6 +207,7 @@ def compress_forward(x, wt, out, tiles, stride, D, scratch):
     at a time, in order. ``scratch`` holds one row per thread
     (``forward_scratch_elements``).
     """
+    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
@@ -225,7 +256,7 @@ def compress_forward(x, wt, out, tiles, stride, D, scratch):
 
 
 @jit_parallel
-def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
+def compress_forward_rows(x, w, out, tiles, stride, D, scratch):
     """``compress_forward`` one token per pass over D: faster for short token rows.
 
     Same arguments, same segments, same sums in the same order, so the same bits;
@@ -238,6 +269,7 @@ def compress_forward_rows(x, wt, out, tiles, stride, D, scratch):
     rows are too short for the hardware prefetchers to run far ahead, least of all
     when they are slices of longer rows.
     """
+    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
@@ -315,7 +347,7 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
 
 
 @jit_parallel
-def compress_forward_simd(x, wt, out, tiles, stride, D, scratch):
+def compress_forward_simd(x, w, out, tiles, stride, D, scratch):
     """``compress_forward_rows`` with the window sums in registers: faster on short rows
     and on rows of up to ``_dispatch.SIMD_ROW_BYTES``.
 
@@ -333,6 +365,7 @@ def compress_forward_simd(x, wt, out, tiles, stride, D, scratch):
     over the segment's token steps, so the requests stream like a plain read instead
     of arriving in bursts.
     """
+    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
@@ -527,7 +560,7 @@ def _pair_tokens_typed(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb
 
 
 @jit_parallel
-def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch, vector):
+def compress_backward(g, x, w, ig, partials, tiles, stride, D, scratch, vector):
     """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
     ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
@@ -551,6 +584,7 @@ def compress_backward(g, x, wt, ig, partials, tiles, stride, D, scratch, vector)
     ``vector``: whether the pairs go through ``_simd`` vectors (``_pair_tokens``;
     ``_dispatch.backward_vector`` says when they can).
     """
+    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride) + 1
@@ -674,7 +708,7 @@ def _infer_writer(x, wt, cache, slots, source, D, i, row):
 
 
 @jit_parallel
-def compress_infer(x, wt, cache, slots, source, D, scratch):
+def compress_infer(x, w, cache, slots, source, D, scratch):
     """cache[0, slots[i], n] = sum_j wt[n, j] * x[page, row, n] over the (page, row) pairs
     ``source[i, j]`` of writer i's window, j in order: the with-cache operator
     (``_infer``). A unit is one writer, all heads: it reads its window's token rows
@@ -682,15 +716,17 @@ def compress_infer(x, wt, cache, slots, source, D, scratch):
     starting from +0 as the training forward's do and adding one token at a time in
     window order, so a window gives the same bits here as there.
     """
+    wt = weight_table(w)
     for unit in prange(slots.shape[0]):
         _infer_writer(x, wt, cache, slots, source, D, np.int64(unit),
                       scratch[get_thread_id()])
 
 
 @jit
-def compress_infer_serial(x, wt, cache, slots, source, D, scratch):
+def compress_infer_serial(x, w, cache, slots, source, D, scratch):
     """``compress_infer`` on the calling thread, for steps with one unit's worth of
     work (a typical decoding step: a few writers): no thread pool to size and wake.
     Same sums, same bits."""
+    wt = weight_table(w)
     for i in range(slots.shape[0]):
         _infer_writer(x, wt, cache, slots, source, D, i, scratch[0])

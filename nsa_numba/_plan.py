@@ -179,6 +179,8 @@ class Plan:
         an input read at a step of 2 or 4 elements as words (``_layouts.word_view``)
         when their gap bytes are not written by the run (outputs, ``workspace``)."""
         storage = STORAGE[kind_of(self.dtype)]
+        if role == "weight":
+            return weight_storage(self.arrays[role], storage)
         if role not in self.views:
             return self.arrays[role].view(storage)
         view = self.views[role].view(storage)
@@ -190,6 +192,14 @@ class Plan:
             if words is not None:
                 view = words
         return view if BOUNDSCHECK else c_carrier(view)
+
+
+def weight_storage(weight, storage):
+    """The weight as the kernels take it: in ``storage``, C-contiguous and writable
+    (a copy of its l * N elements when it is not), so that any weight array runs the
+    kernels compiled for that one variant."""
+    w = weight.view(storage)
+    return w if w.flags.c_contiguous and w.flags.writeable else w.copy()
 
 
 # -- argument checks -------------------------------------------------------------

@@ -2,22 +2,24 @@
 new arrays of the same shapes, dtypes and sequence lengths.
 
 Checking and planning a call reads its arguments' types, dtypes, shapes and strides,
-the outputs' writability, the integers and the sequence values: never the array
-contents, and the addresses only to check that outputs share no memory with the
-inputs. A call's *signature* is all of that read, exactly (:func:`forward_signature`,
-:func:`grad_signature`). After a call succeeds, its :class:`Entry` (the
-``_dispatch.Recipe`` and how to view the arrays) is kept under its signature; a later
-call with the same signature passes the same checks and gets the same plan, so it
-only checks memory overlap, views its arrays and launches. Anything else, and any
-overlap the quick check cannot rule out, goes the full way (``_plan``), which also
-raises every error: an entry only ever answers arguments that passed.
+the outputs' writability (and the weight's: the kernels take a writable one), the
+integers and the sequence values: never the array contents, and the addresses only
+to check that outputs share no memory with the inputs. A call's *signature* is all
+of that read, exactly (:func:`forward_signature`, :func:`grad_signature`). After a
+call succeeds, its :class:`Entry` (the ``_dispatch.Recipe`` and how to view the
+arrays) is kept under its signature; a later call with the same signature passes the
+same checks and gets the same plan, so it only checks memory overlap, views its
+arrays and launches. Anything else, and any overlap the quick check cannot rule out,
+goes the full way (``_plan``), which also raises every error: an entry only ever
+answers arguments that passed.
 
 Signatures are taken only where equality means the same checks: arrays of exactly
 ``numpy.ndarray``, integers of exactly ``int`` (``True == 1`` and ``1.0 == 1`` in
 Python, and the checks reject both), sequence lengths as a list or tuple of ``int``
 or a 1-D integer array, the layout as a ``str`` or None, ``strict`` as a bool. Entries
-are kept only for C-contiguous arrays, whose storage views are reshapes
-(``_dispatch.storage_views`` of the plan, checked when an entry is made).
+are kept only where the kernels take views of the caller's memory that are
+reshapes of it: C-contiguous arrays (and a writable weight), checked against the
+plan's storage views when an entry is made.
 
 Measured after a cache flush (T = 256, N = 4, D = 128, bf16, 1 thread: mostly Python
 work): a forward call took 0.49 ms the full way and 0.19 ms here.
@@ -37,6 +39,7 @@ KEPT = 256
 
 _entries = {}
 _lock = threading.Lock()
+OUTPUTS = ("out", "input_grad", "weight_grad")
 _INT = {int}
 
 
@@ -48,24 +51,9 @@ class Entry:
     allocate: tuple          # per ROLES entry: the shape of an output to allocate, or None
 
 
-def _array(a):
-    """An input's part of a signature, or None when ``a`` is not exactly an ndarray."""
-    if type(a) is not np.ndarray:
-        return None
-    return a.dtype, a.shape, a.strides
-
-
-def _output(a):
-    """An output's part (False when not given), or None when not exactly an ndarray."""
-    if a is None:
-        return False
-    if type(a) is not np.ndarray:
-        return None
-    return a.dtype, a.shape, a.strides, a.flags.writeable
-
-
 def _sequences(values):
-    """The sequence lengths' part, or None when they cannot be compared exactly."""
+    """The sequence lengths' part of a signature, or None when they cannot be compared
+    exactly."""
     if values is None:
         return ()
     kind = type(values)
@@ -76,35 +64,58 @@ def _sequences(values):
     return None
 
 
-def _common(rules, block, stride, seq, seq_type, layout):
-    if (type(block) is not int or type(stride) is not int or type(seq_type) is not int
-            or not (layout is None or type(layout) is str)):
+# The signatures are written out flat: a call after other work finds this code cold,
+# and each Python call it makes costs microseconds then.
+
+def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
+    """The signature of a forward call, or None (the call goes the full way)."""
+    if (type(x) is not np.ndarray or type(weight) is not np.ndarray
+            or type(block) is not int or type(stride) is not int
+            or type(seq_type) is not int or not (layout is None or type(layout) is str)):
+        return None
+    if out is None:
+        given = False
+    elif type(out) is np.ndarray:
+        given = out.dtype, out.shape, out.strides, out.flags.writeable
+    else:
         return None
     sequences = _sequences(seq)
     if sequences is None:
         return None
-    return id(rules), block, stride, sequences, seq_type, layout
-
-
-def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
-    """The signature of a forward call, or None (the call goes the full way)."""
-    parts = (_common(rules, block, stride, seq, seq_type, layout), _array(x),
-             _array(weight), _output(out))
-    return None if None in parts else ("forward",) + parts
+    return ("forward", id(rules), block, stride, sequences, seq_type, layout,
+            x.dtype, x.shape, x.strides, weight.dtype, weight.shape, weight.strides,
+            weight.flags.writeable, given)
 
 
 def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
                    input_grad, weight_grad):
     """The signature of a backward call, or None."""
-    parts = (_common(rules, block, stride, seq, seq_type, layout), _array(grad), _array(x),
-             _array(weight), _output(input_grad), _output(weight_grad))
-    return None if None in parts else ("grad",) + parts
+    if (type(grad) is not np.ndarray or type(x) is not np.ndarray
+            or type(weight) is not np.ndarray
+            or type(block) is not int or type(stride) is not int
+            or type(seq_type) is not int or not (layout is None or type(layout) is str)):
+        return None
+    given = []
+    for a in (input_grad, weight_grad):
+        if a is None:
+            given.append(False)
+        elif type(a) is np.ndarray:
+            given.append((a.dtype, a.shape, a.strides, a.flags.writeable))
+        else:
+            return None
+    sequences = _sequences(seq)
+    if sequences is None:
+        return None
+    return ("grad", id(rules), block, stride, sequences, seq_type, layout,
+            grad.dtype, grad.shape, grad.strides, x.dtype, x.shape, x.strides,
+            weight.dtype, weight.shape, weight.strides, weight.flags.writeable, given[0],
+            given[1])
 
 
 def _views(entry, arrays):
     storage = entry.recipe.storage
-    return tuple(a.view(storage) if shape is None else a.view(storage).reshape(shape)
-                 for a, shape in zip(arrays, entry.shapes))
+    return [a.view(storage) if shape is None else a.view(storage).reshape(shape)
+            for a, shape in zip(arrays, entry.shapes)]
 
 
 def compress(rules, args, threads=None, known=True):
@@ -143,12 +154,10 @@ def _forward(signature, x, weight, out, threads):
     if entry is None:
         return None
     if out is None:
-        out = np.empty(entry.allocate[1], x.dtype)
+        out = np.empty(entry.allocate[2], x.dtype)
     elif np.may_share_memory(out, x) or np.may_share_memory(out, weight):
         return None
-    recipe = entry.recipe
-    _dispatch.launch_kept(recipe, _views(entry, (x, out)),
-                          _dispatch.weight_table(weight, recipe.accumulator), threads)
+    _dispatch.launch_kept(entry.recipe, _views(entry, (x, weight, out)), threads)
     return out
 
 
@@ -162,14 +171,13 @@ def _grad(signature, g, x, weight, input_grad, weight_grad, threads):
         if given is not None and any(np.may_share_memory(given, a) for a in inputs):
             return None
     if input_grad is None:
-        input_grad = np.empty(entry.allocate[2], x.dtype)
+        input_grad = np.empty(entry.allocate[3], x.dtype)
     if weight_grad is None:
-        weight_grad = np.empty(entry.allocate[3], x.dtype)
+        weight_grad = np.empty(entry.allocate[4], x.dtype)
     elif np.may_share_memory(weight_grad, input_grad):
         return None
-    recipe = entry.recipe
-    _dispatch.launch_kept(recipe, _views(entry, (g, x, input_grad, weight_grad)),
-                          _dispatch.weight_table(weight, recipe.accumulator), threads)
+    _dispatch.launch_kept(entry.recipe, _views(entry, (g, x, weight, input_grad, weight_grad)),
+                          threads)
     return input_grad, weight_grad
 
 
@@ -183,11 +191,12 @@ def keep(signature, rules, plan, recipe, given):
     shapes, allocate = [], []
     for role, view in zip(roles, _dispatch.storage_views(plan)):
         a = plan.arrays[role]
-        if not (a.flags.c_contiguous and view.flags.c_contiguous and view.size == a.size
-                and view.itemsize == a.itemsize and view.ctypes.data == a.ctypes.data):
-            return
+        if view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize or (
+                role in plan.views and not (a.flags.c_contiguous and view.flags.c_contiguous
+                                            and view.size == a.size)):
+            return          # a copy, a padded carrier, words, a strided view: the full way
         shapes.append(None if view.shape == a.shape else view.shape)
-        allocate.append(None if role in given or role in ("input", "grad") else a.shape)
+        allocate.append(a.shape if role in OUTPUTS and role not in given else None)
     entry = Entry(rules, recipe, tuple(shapes), tuple(allocate))
     with _lock:
         _entries[signature] = entry

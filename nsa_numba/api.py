@@ -14,9 +14,8 @@ _RULES = {(op, strict): Rules(op, strict=strict) for op in (_FORWARD, _GRAD)
 
 def _rules(op, strict):
     """(Rules, whether ``_repeat`` may know the call by them)."""
-    if strict is True or strict is False:
-        return _RULES[op, strict], True
-    return Rules(op, strict=strict), False
+    rules = _RULES.get((op, strict)) if type(strict) is bool else None
+    return (rules, True) if rules is not None else (Rules(op, strict=strict), False)
 
 
 def nsa_compress(input, weight, compress_block_size, compress_stride, *,

@@ -27,7 +27,7 @@ tiles[:, _kernels.NW] += 5          # five windows beyond the input's last token
 tiles[:, _kernels.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
-    getattr(_kernels, sys.argv[1])(plan.storage("input"), _dispatch._weight_table(plan),
+    getattr(_kernels, sys.argv[1])(plan.storage("input"), plan.storage("weight"),
                                    plan.storage("out"), tiles, 16, D, scratch)
 except Exception as err:
     # a parallel region re-raises it as SystemError with the IndexError as its cause
@@ -71,7 +71,7 @@ tiles[0, _kernels.G0] = 1
 tiles[0, _kernels.G1] = 4
 short = plan.storage("input")[:, :40]
 try:
-    _kernels.compress_backward(plan.storage("grad"), short, _dispatch._weight_table(plan),
+    _kernels.compress_backward(plan.storage("grad"), short, plan.storage("weight"),
                                plan.storage("input_grad"), partials, tiles, 16, 64,
                                scratch, True)
 except Exception as err:

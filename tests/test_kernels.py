@@ -24,12 +24,12 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
                         None)
     _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
-    wt = _dispatch._weight_table(plan)
     results = []
     for kernel in (_kernels.compress_forward, _kernels.compress_forward_rows):
         out = plan.storage("out")
         out[...] = 0
-        kernel(plan.storage("input"), wt, out, plan.tiles, plan.stride, plan.D, scratch)
+        kernel(plan.storage("input"), plan.storage("weight"), out, plan.tiles, plan.stride,
+               plan.D, scratch)
         results.append(out.copy())
     assert np.array_equal(results[0], results[1])
 
@@ -47,7 +47,7 @@ def _specials(a, dtype):
 def _run_forward(kernel, plan, scratch):
     out = plan.storage("out")
     out[...] = 0
-    kernel(plan.storage("input"), _dispatch._weight_table(plan), out, plan.tiles, plan.stride,
+    kernel(plan.storage("input"), plan.storage("weight"), out, plan.tiles, plan.stride,
            plan.D, scratch)
     return out.copy()
 
@@ -171,7 +171,7 @@ def _run_backward(plan, vector):
     ig = plan.storage("input_grad")
     ig[...] = 0
     _kernels.compress_backward(plan.storage("grad", workspace), plan.storage("input", workspace),
-                               _dispatch._weight_table(plan), ig, partials, plan.tiles,
+                               plan.storage("weight"), ig, partials, plan.tiles,
                                plan.stride, plan.D, scratch, vector)
     return ig.copy(), partials.copy()
 

@@ -247,3 +247,22 @@ def test_threads_keep_their_own_scratch(plans):
         t.join()
     for i, (dx, dw) in enumerate(expected):
         assert np.array_equal(results[i][0], dx) and np.array_equal(results[i][1], dw)
+
+
+def test_any_weight_array_runs_the_kernels_compiled_for_one(plans):
+    # the kernels take the weight C-contiguous and writable (a copy when it is not), so
+    # a transposed or read-only weight compiles nothing new
+    from nsa_numba import _kernels
+    x, w, g = good(np.float32)
+    nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ)
+    nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    kernels = [k for k in vars(_kernels).values() if hasattr(k, "signatures")]
+    compiled = sum(len(k.signatures) for k in kernels)
+    read_only = w.copy()
+    read_only.flags.writeable = False
+    for weight in (np.asfortranarray(w), w.T.copy().T, read_only, read_only):
+        assert_forward_accurate(nsa_numba.nsa_compress(x, weight, L, S, actual_seq_len=SEQ),
+                                x, w, L, S, SEQ)
+        gx, gw = nsa_numba.nsa_compress_grad(g, x, weight, L, S, actual_seq_len=SEQ)
+        assert_grad_accurate(gx, gw, g, x, w, L, S, SEQ)
+    assert sum(len(k.signatures) for k in kernels) == compiled
