@@ -64,52 +64,42 @@ def _sequences(values):
     return None
 
 
-# The signatures are written out flat: a call after other work finds this code cold,
-# and each Python call it makes costs microseconds then.
-
-def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
-    """The signature of a forward call, or None (the call goes the full way)."""
-    if (type(x) is not np.ndarray or type(weight) is not np.ndarray
-            or type(block) is not int or type(stride) is not int
-            or type(seq_type) is not int or not (layout is None or type(layout) is str)):
-        return None
-    if out is None:
-        given = False
-    elif type(out) is np.ndarray:
-        given = out.dtype, out.shape, out.strides, out.flags.writeable
-    else:
+def _signature(op, rules, inputs, outputs, block, stride, seq, seq_type, layout):
+    """The signature of a call, or None. ``inputs`` end with the weight, whose
+    writability counts too; ``outputs`` may be None (to be allocated)."""
+    if (type(block) is not int or type(stride) is not int or type(seq_type) is not int
+            or not (layout is None or type(layout) is str)):
         return None
     sequences = _sequences(seq)
     if sequences is None:
         return None
-    return ("forward", id(rules), block, stride, sequences, seq_type, layout,
-            x.dtype, x.shape, x.strides, weight.dtype, weight.shape, weight.strides,
-            weight.flags.writeable, given)
+    parts = [op, id(rules), block, stride, sequences, seq_type, layout]
+    for a in inputs:
+        if type(a) is not np.ndarray:
+            return None
+        parts += (a.dtype, a.shape, a.strides)
+    parts.append(inputs[-1].flags.writeable)
+    for a in outputs:
+        if a is None:
+            parts.append(False)
+        elif type(a) is np.ndarray:
+            parts.append((a.dtype, a.shape, a.strides, a.flags.writeable))
+        else:
+            return None
+    return tuple(parts)
+
+
+def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
+    """The signature of a forward call, or None (the call goes the full way)."""
+    return _signature("forward", rules, (x, weight), (out,), block, stride, seq, seq_type,
+                      layout)
 
 
 def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
                    input_grad, weight_grad):
     """The signature of a backward call, or None."""
-    if (type(grad) is not np.ndarray or type(x) is not np.ndarray
-            or type(weight) is not np.ndarray
-            or type(block) is not int or type(stride) is not int
-            or type(seq_type) is not int or not (layout is None or type(layout) is str)):
-        return None
-    given = []
-    for a in (input_grad, weight_grad):
-        if a is None:
-            given.append(False)
-        elif type(a) is np.ndarray:
-            given.append((a.dtype, a.shape, a.strides, a.flags.writeable))
-        else:
-            return None
-    sequences = _sequences(seq)
-    if sequences is None:
-        return None
-    return ("grad", id(rules), block, stride, sequences, seq_type, layout,
-            grad.dtype, grad.shape, grad.strides, x.dtype, x.shape, x.strides,
-            weight.dtype, weight.shape, weight.strides, weight.flags.writeable, given[0],
-            given[1])
+    return _signature("grad", rules, (grad, x, weight), (input_grad, weight_grad), block,
+                      stride, seq, seq_type, layout)
 
 
 def _views(entry, arrays):
