@@ -94,6 +94,10 @@ def _seq_values(op, values, tensor):
     return tensor.numpy()
 
 
+# -- the operators -----------------------------------------------------------------
+# Both take the sequence ends as a list (``actual_seq_len``) or as a tensor
+# (``actual_seq_len_tensor``), never both; the public functions choose.
+
 def _compress_impl(input, weight, block, stride, values, tensor):
     """The forward on tensors: the output as a tensor, on at most
     ``torch.get_num_threads()`` threads."""
