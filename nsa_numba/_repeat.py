@@ -26,6 +26,7 @@ Python work) took 0.53 ms before this module and 0.26 ms with it, one thread
 (docs/performance.md, "What bounds each kernel").
 """
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -199,3 +200,15 @@ def forget():
     """Drop every kept entry (tests start from none)."""
     with _lock:
         _entries.clear()
+
+
+def _after_fork():
+    """In a forked child: a new lock (another thread may have held the parent's at the
+    fork) and no entries (that thread may have been halfway through changing them)."""
+    global _lock
+    _lock = threading.Lock()
+    _entries.clear()
+
+
+if hasattr(os, "register_at_fork"):      # POSIX
+    os.register_at_fork(after_in_child=_after_fork)

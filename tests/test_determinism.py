@@ -151,9 +151,17 @@ FORK_WHILE_KEEPING = textwrap.dedent("""
 """)
 
 
+# the recipes of calls that come again are kept under a lock too (_repeat)
+FORK_WHILE_KEEPING_RECIPES = FORK_WHILE_KEEPING.replace(
+    "from nsa_numba import _plan", "from nsa_numba import _repeat").replace(
+    "_plan._tables_lock", "_repeat._lock")
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
-@pytest.mark.parametrize("script", [FORK_SCRIPT, FORK_WHILE_KEEPING],
-                         ids=["after-a-call", "while-the-tables-lock-is-held"])
+@pytest.mark.parametrize("script", [FORK_SCRIPT, FORK_WHILE_KEEPING,
+                                    FORK_WHILE_KEEPING_RECIPES],
+                         ids=["after-a-call", "while-the-tables-lock-is-held",
+                              "while-the-recipes-lock-is-held"])
 def test_forked_child_can_run_the_kernels(script):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
