@@ -35,11 +35,14 @@ import numpy as np
 from . import _dispatch
 from ._plan import plan_forward, plan_grad
 
-#: most signatures kept; the oldest goes first (entries are small: the tile table is
-#: shared with ``_plan``'s kept tables)
+#: most signatures kept, and most bytes of tile tables they may hold (the oldest go
+#: first; a table of more than an eighth of that is not kept: its calls, over that
+#: many sequences, are long anyway). The tables are mostly those ``_plan`` keeps too.
 KEPT = 256
+KEPT_BYTES = 8 << 20
 
 _entries = {}
+_kept_bytes = 0
 _lock = threading.Lock()
 OUTPUTS = ("out", "input_grad", "weight_grad")
 _INT = {int}
@@ -189,25 +192,34 @@ def keep(signature, rules, plan, recipe, given):
             return          # a copy, a padded carrier, words, a strided view: the full way
         shapes.append(None if view.shape == a.shape else view.shape)
         allocate.append(a.shape if role in OUTPUTS and role not in given else None)
+    if recipe.tiles.nbytes > KEPT_BYTES // 8:
+        return
+    global _kept_bytes
     entry = Entry(rules, recipe, tuple(shapes), tuple(allocate))
     with _lock:
+        if signature in _entries:          # another thread kept the same call
+            return
         _entries[signature] = entry
-        while len(_entries) > KEPT:
-            del _entries[next(iter(_entries))]
+        _kept_bytes += recipe.tiles.nbytes
+        while len(_entries) > KEPT or _kept_bytes > KEPT_BYTES:
+            _kept_bytes -= _entries.pop(next(iter(_entries))).recipe.tiles.nbytes
 
 
 def forget():
     """Drop every kept entry (tests start from none)."""
+    global _kept_bytes
     with _lock:
         _entries.clear()
+        _kept_bytes = 0
 
 
 def _after_fork():
     """In a forked child: a new lock (another thread may have held the parent's at the
     fork) and no entries (that thread may have been halfway through changing them)."""
-    global _lock
+    global _lock, _kept_bytes
     _lock = threading.Lock()
     _entries.clear()
+    _kept_bytes = 0
 
 
 if hasattr(os, "register_at_fork"):      # POSIX

@@ -206,6 +206,21 @@ def test_kept_signatures_are_bounded(plans):
     assert len(_repeat._entries) == _repeat.KEPT
 
 
+def test_kept_tile_tables_are_bounded(plans, monkeypatch):
+    monkeypatch.setattr(_repeat, "KEPT_BYTES", 64 * 80)     # 64 tiles of 80 bytes
+    w = np.zeros((L, 1), np.float32)
+    x = np.zeros((20 * L, 1, 16), np.float32)
+    for k in range(12):          # eight sequences, a tile each: 640 bytes, an eighth
+        ends = [2 * L * (i + 1) + k for i in range(7)] + [20 * L]
+        nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=ends)
+    kept = [e.recipe.tiles.nbytes for e in _repeat._entries.values()]
+    assert kept == [640] * 8 and _repeat._kept_bytes == 64 * 80     # the oldest went
+    big = [2 * L * (i + 1) for i in range(8)] + [20 * L]    # nine tiles: over an eighth
+    for _ in range(2):
+        nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=big)
+    assert plans["forward"] == 14                            # never kept
+
+
 def test_a_call_inside_a_call_gets_its_own_scratch(plans, monkeypatch):
     # A call made while this thread's run is under way (as a signal handler's would
     # be) must not use the scratch that run is using.
