@@ -59,6 +59,7 @@ GROUP = 4
 #: each problem gets: _dispatch.forward_kernel)
 GROUPED_MIN_ROW = 2048
 
+
 def _table_for(w):
     """An empty ``[N, l]`` array in the accumulator dtype of weight storage ``w``."""
     return np.empty((w.shape[1], w.shape[0]),
