@@ -50,11 +50,26 @@ ROLES = {"forward": ("input", "weight", "out"),
          "grad": ("grad", "input", "weight", "input_grad", "weight_grad")}
 
 
+def _aligned(workspace, nbytes):
+    """``nbytes`` of a uint8 ``workspace`` from its first WORKSPACE_ALIGN-byte boundary."""
+    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
+    return workspace[skip:skip + nbytes]
+
+
+def _fresh_aligned(nbytes):
+    """``nbytes`` of new memory starting at a WORKSPACE_ALIGN-byte boundary."""
+    return _aligned(np.empty(nbytes + WORKSPACE_ALIGN, np.uint8), nbytes)
+
+
 def _aligned_elements(plan, workspace):
     """The plan's ``scratch_bytes`` of the workspace from its first WORKSPACE_ALIGN-byte
     boundary, as accumulator elements."""
-    skip = -workspace.ctypes.data % WORKSPACE_ALIGN
-    return workspace[skip:skip + plan.scratch_bytes].view(plan.accumulator)
+    return _aligned(workspace, plan.scratch_bytes).view(plan.accumulator)
+
+
+def _partials_shape(plan):
+    """The weight-gradient partials' shape ``[n_tiles, N, l]`` (no tiles: the forward)."""
+    return (plan.tiles.shape[0] if plan.partial_elements else 0), plan.N, plan.block
 
 
 def _cut(elements, partials, partial_elements, rows):
@@ -71,8 +86,7 @@ def carve(plan, workspace):
     in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
     starts at a boundary too).
     """
-    n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0   # none in the forward
-    return _cut(_aligned_elements(plan, workspace), (n_tiles, plan.N, plan.block),
+    return _cut(_aligned_elements(plan, workspace), _partials_shape(plan),
                 plan.partial_elements, (plan.scratch_slots, plan.scratch_elements))
 
 
@@ -108,20 +122,20 @@ def kept_scratch(recipe):
             return cut
     nbytes = recipe.scratch_bytes
     if kept.busy or nbytes > KEPT_SCRATCH_BYTES:
-        elements = np.empty(nbytes + WORKSPACE_ALIGN, np.uint8)
-        skip = -elements.ctypes.data % WORKSPACE_ALIGN
-        return _cut(elements[skip:skip + nbytes].view(recipe.accumulator), recipe.partials,
-                    recipe.partial_elements, recipe.rows)
+        return _cut_bytes(recipe, _fresh_aligned(nbytes))
     if kept.buffer is None or kept.buffer.size < nbytes:
-        raw = np.empty(nbytes + WORKSPACE_ALIGN, np.uint8)
-        skip = -raw.ctypes.data % WORKSPACE_ALIGN
-        kept.buffer, kept.cuts = raw[skip:skip + nbytes], {}
+        kept.buffer = _fresh_aligned(nbytes)
+        kept.cuts = {}
     elif len(kept.cuts) >= 64:
         kept.cuts.clear()
-    cut = _cut(kept.buffer[:nbytes].view(recipe.accumulator), recipe.partials,
-               recipe.partial_elements, recipe.rows)
-    kept.cuts[key] = cut
+    cut = kept.cuts[key] = _cut_bytes(recipe, kept.buffer[:nbytes])
     return cut
+
+
+def _cut_bytes(recipe, memory):
+    """The recipe's (partials, scratch) in aligned bytes ``memory``."""
+    return _cut(memory.view(recipe.accumulator), recipe.partials, recipe.partial_elements,
+                recipe.rows)
 
 
 def simd_fits(plan, x, out):
@@ -178,10 +192,9 @@ def recipe(plan, views):
         kernel, vector = forward_kernel(plan, views[0], views[2]), False
     else:
         kernel, vector = _kernels.compress_backward, backward_vector(plan, views[1], views[3])
-    n_tiles = plan.tiles.shape[0] if plan.partial_elements else 0
     return Recipe(plan.op, plan.dtype, STORAGE[kind_of(plan.dtype)], plan.accumulator,
                   kernel, vector, plan.tiles, plan.stride, plan.D, plan.threads_useful,
-                  (n_tiles, plan.N, plan.block), plan.partial_elements,
+                  _partials_shape(plan), plan.partial_elements,
                   (plan.scratch_slots, plan.scratch_elements))
 
 

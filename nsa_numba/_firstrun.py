@@ -27,7 +27,7 @@ _PACKAGE = __name__.rsplit(".", 1)[0]
 _enabled = os.environ.get("NSA_NUMBA_QUIET", "") in ("", "0")
 _said_where = False
 _said_helpers = False
-#: the dtype of the call being run (``_dispatch.prepare`` sets it before a launch),
+#: the dtype of the call being run (``_dispatch`` sets it before each launch),
 #: which the kernels see only as their storage types
 calling = None
 
