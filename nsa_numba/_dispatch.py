@@ -229,7 +229,8 @@ def launch_kept(recipe, views, threads=None):
 
 
 def run(plan, workspace=None, threads=None):
-    """Compute the plan's outputs; return its Recipe (None for a decoding step).
+    """Compute the plan's outputs; return its Recipe and the storage views it ran on
+    (None for a decoding step).
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
     ``plan.workspace_bytes`` (None: this thread's kept scratch, ``kept_scratch``).
@@ -247,7 +248,7 @@ def run(plan, workspace=None, threads=None):
         launch_kept(chosen, views, threads)
     else:
         launch(chosen, views, carve(plan, workspace), threads)
-    return chosen
+    return chosen, views
 
 
 def prepare(plan, workspace, threads=None):

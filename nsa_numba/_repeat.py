@@ -124,7 +124,7 @@ def compress(rules, args, threads=None, known=True):
     if done is not None:
         return done
     plan = plan_forward(rules, *args)
-    keep(signature, rules, plan, _dispatch.run(plan, threads=threads),
+    keep(signature, rules, plan, *_dispatch.run(plan, threads=threads),
          () if out is None else ("out",))
     return plan.arrays["out"]
 
@@ -139,7 +139,7 @@ def compress_grad(rules, args, threads=None, known=True):
     plan = plan_grad(rules, *args)
     given = tuple(role for role, a in (("input_grad", input_grad), ("weight_grad", weight_grad))
                   if a is not None)
-    keep(signature, rules, plan, _dispatch.run(plan, threads=threads), given)
+    keep(signature, rules, plan, *_dispatch.run(plan, threads=threads), given)
     return plan.arrays["input_grad"], plan.arrays["weight_grad"]
 
 
@@ -176,15 +176,16 @@ def _grad(signature, g, x, weight, input_grad, weight_grad, threads):
     return input_grad, weight_grad
 
 
-def keep(signature, rules, plan, recipe, given):
-    """Keep what ``plan`` (run as ``recipe``) needs for later calls with ``signature``,
-    if its arrays allow (C-contiguous, storage views that are reshapes of them).
-    ``given``: which roles' outputs the caller passed (the others were allocated)."""
+def keep(signature, rules, plan, recipe, views, given):
+    """Keep what ``plan`` (run as ``recipe`` on storage ``views``) needs for later calls
+    with ``signature``, if its arrays allow (C-contiguous, storage views that are
+    reshapes of them). ``given``: which roles' outputs the caller passed (the others
+    were allocated)."""
     if signature is None:
         return
     roles = _dispatch.ROLES[plan.op]
     shapes, allocate = [], []
-    for role, view in zip(roles, _dispatch.storage_views(plan)):
+    for role, view in zip(roles, views):
         a = plan.arrays[role]
         if view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize or (
                 role in plan.views and not (a.flags.c_contiguous and view.flags.c_contiguous
