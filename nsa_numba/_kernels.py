@@ -38,9 +38,9 @@ from numba.extending import overload
 from ._halfprec import narrow, widen
 from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
-from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload, vload_row,
-                    vload_row_short, vload_short, vmul_add, vstore, vstore_row, vzeros,
-                    vzeros_short)
+from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload,
+                    vload_row_short, vload_row_split, vload_short, vmul_add, vstore, vstore_row,
+                    vstore_row_split, vzeros, vzeros_short)
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline (and _target, whose choices shape them);
@@ -49,7 +49,7 @@ CACHE_DEPENDS = {
     "_halfprec.py": "6c0f8d3668b474b5",
     "_jit.py": "73935d928af2f0a8",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "549e58b43d9b6ed2",
+    "_simd.py": "4ad53ac039e6c644",
     "_target.py": "64343d6f781c7228",
 }
 
@@ -320,7 +320,7 @@ def _token_step(x, b, t, n, e0, fetch, t0, at, stop, row_stride, row_bytes):
     if fetch:
         at, stop = _prefetch_line(x, b, t0, at, stop, row_stride, row_bytes)
     check_row(x, b, t, n, e0)
-    return vload_row(x, b, t, n, e0), at, stop
+    return vload_row_split(x, b, t, n, e0), at, stop
 
 
 @jit(inline="always")
@@ -342,7 +342,7 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
     ``out[b, row, n, e0:]`` when the window closed there, else back to ``ring[p:]``."""
     if closes:
         check_row(out, b, row, n, e0)
-        vstore_row(out, b, row, n, e0, acc)
+        vstore_row_split(out, b, row, n, e0, acc)
     else:
         vstore(ring, p, acc)
 
