@@ -46,6 +46,7 @@ _kept_bytes = 0
 _lock = threading.Lock()
 OUTPUTS = ("out", "input_grad", "weight_grad")
 _INT = {int}
+_may_share = np.may_share_memory
 
 
 @dataclass(frozen=True)
@@ -69,48 +70,60 @@ def _sequences(values):
     return None
 
 
-def _signature(op, rules, inputs, outputs, block, stride, seq, seq_type, layout):
-    """The signature of a call, or None. ``inputs`` end with the weight, whose
-    writability counts too; ``outputs`` may be None (to be allocated)."""
-    if (type(block) is not int or type(stride) is not int or type(seq_type) is not int
-            or not (layout is None or type(layout) is str)):
-        return None
-    sequences = _sequences(seq)
-    if sequences is None:
-        return None
-    parts = [op, id(rules), block, stride, sequences, seq_type, layout]
-    for a in inputs:
-        if type(a) is not np.ndarray:
-            return None
-        parts += (a.dtype, a.shape, a.strides)
-    parts.append(inputs[-1].flags.writeable)
-    for a in outputs:
-        if a is None:
-            parts.append(False)
-        elif type(a) is np.ndarray:
-            parts.append((a.dtype, a.shape, a.strides, a.flags.writeable))
-        else:
-            return None
-    return tuple(parts)
+def _plain(block, stride, seq_type, layout):
+    """Whether the call's scalars are of the exact types a signature can hold."""
+    return (type(block) is int and type(stride) is int and type(seq_type) is int
+            and (layout is None or type(layout) is str))
 
+
+def _output(a):
+    """An output's part of a signature (False: to be allocated), or None."""
+    if a is None:
+        return False
+    if type(a) is np.ndarray:
+        return a.dtype, a.shape, a.strides, a.flags.writeable
+    return None
+
+
+# The signatures are written out in full, not built in loops: after a cache flush
+# every bytecode a call runs is a miss, and the loops, list appends and helper
+# calls of a generic version cost a forward call 40 us more (bench's T = 32768).
 
 def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
-    """The signature of a forward call, or None (the call goes the full way)."""
-    return _signature("forward", rules, (x, weight), (out,), block, stride, seq, seq_type,
-                      layout)
+    """The signature of a forward call, or None (the call goes the full way). The
+    weight's writability counts: the kernels take a writable weight."""
+    if not (type(x) is np.ndarray and type(weight) is np.ndarray
+            and _plain(block, stride, seq_type, layout)):
+        return None
+    sequences = _sequences(seq)
+    given = _output(out)
+    if sequences is None or given is None:
+        return None
+    return ("forward", id(rules), block, stride, sequences, seq_type, layout,
+            x.dtype, x.shape, x.strides,
+            weight.dtype, weight.shape, weight.strides, weight.flags.writeable, given)
 
 
 def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
                    input_grad, weight_grad):
     """The signature of a backward call, or None."""
-    return _signature("grad", rules, (grad, x, weight), (input_grad, weight_grad), block,
-                      stride, seq, seq_type, layout)
+    if not (type(grad) is np.ndarray and type(x) is np.ndarray
+            and type(weight) is np.ndarray and _plain(block, stride, seq_type, layout)):
+        return None
+    sequences = _sequences(seq)
+    given_ig = _output(input_grad)
+    given_wg = _output(weight_grad)
+    if sequences is None or given_ig is None or given_wg is None:
+        return None
+    return ("grad", id(rules), block, stride, sequences, seq_type, layout,
+            grad.dtype, grad.shape, grad.strides, x.dtype, x.shape, x.strides,
+            weight.dtype, weight.shape, weight.strides, weight.flags.writeable,
+            given_ig, given_wg)
 
 
-def _views(entry, arrays):
-    storage = entry.recipe.storage
-    return [a.view(storage) if shape is None else a.view(storage).reshape(shape)
-            for a, shape in zip(arrays, entry.shapes)]
+def _view(a, storage, shape):
+    """The storage view of caller's array ``a`` that a kept entry takes."""
+    return a.view(storage) if shape is None else a.view(storage).reshape(shape)
 
 
 def compress(rules, args, threads=None, known=True):
@@ -120,9 +133,19 @@ def compress(rules, args, threads=None, known=True):
     lives as long as the process (signatures name it by its id)."""
     x, weight, out = args[0], args[1], args[-1]
     signature = forward_signature(rules, *args) if known else None
-    done = _forward(signature, x, weight, out, threads)
-    if done is not None:
-        return done
+    entry = _entries.get(signature)         # None is never a key
+    if entry is not None:
+        if out is None:
+            out = np.empty(entry.allocate[2], x.dtype)
+        elif _may_share(out, x) or _may_share(out, weight):
+            entry = None                    # the full way says whether they overlap
+    if entry is not None:
+        recipe, shapes = entry.recipe, entry.shapes
+        storage = recipe.storage
+        _dispatch.launch_kept(recipe, (_view(x, storage, shapes[0]),
+                                       _view(weight, storage, shapes[1]),
+                                       _view(out, storage, shapes[2])), threads)
+        return out
     plan = plan_forward(rules, *args)
     keep(signature, rules, plan, *_dispatch.run(plan, threads=threads),
          () if out is None else ("out",))
@@ -133,9 +156,22 @@ def compress_grad(rules, args, threads=None, known=True):
     """``(input_grad, weight_grad)`` for ``plan_grad``'s ``args``, as ``compress``."""
     g, x, weight, input_grad, weight_grad = args[0], args[1], args[2], args[-2], args[-1]
     signature = grad_signature(rules, *args) if known else None
-    done = _grad(signature, g, x, weight, input_grad, weight_grad, threads)
-    if done is not None:
-        return done
+    entry = _entries.get(signature)
+    if entry is not None and not _grad_outputs_apart(g, x, weight, input_grad, weight_grad):
+        entry = None
+    if entry is not None:
+        if input_grad is None:
+            input_grad = np.empty(entry.allocate[3], x.dtype)
+        if weight_grad is None:
+            weight_grad = np.empty(entry.allocate[4], x.dtype)
+        recipe, shapes = entry.recipe, entry.shapes
+        storage = recipe.storage
+        _dispatch.launch_kept(recipe, (_view(g, storage, shapes[0]),
+                                       _view(x, storage, shapes[1]),
+                                       _view(weight, storage, shapes[2]),
+                                       _view(input_grad, storage, shapes[3]),
+                                       _view(weight_grad, storage, shapes[4])), threads)
+        return input_grad, weight_grad
     plan = plan_grad(rules, *args)
     given = tuple(role for role, a in (("input_grad", input_grad), ("weight_grad", weight_grad))
                   if a is not None)
@@ -143,37 +179,15 @@ def compress_grad(rules, args, threads=None, known=True):
     return plan.arrays["input_grad"], plan.arrays["weight_grad"]
 
 
-def _forward(signature, x, weight, out, threads):
-    """The output of a forward call with a kept signature, or None."""
-    entry = _entries.get(signature) if signature is not None else None
-    if entry is None:
-        return None
-    if out is None:
-        out = np.empty(entry.allocate[2], x.dtype)
-    elif np.may_share_memory(out, x) or np.may_share_memory(out, weight):
-        return None
-    _dispatch.launch_kept(entry.recipe, _views(entry, (x, weight, out)), threads)
-    return out
-
-
-def _grad(signature, g, x, weight, input_grad, weight_grad, threads):
-    """``(input_grad, weight_grad)`` of a backward call with a kept signature, or None."""
-    entry = _entries.get(signature) if signature is not None else None
-    if entry is None:
-        return None
-    inputs = (g, x, weight)
+def _grad_outputs_apart(g, x, weight, input_grad, weight_grad):
+    """Whether the given outputs surely share no memory with the inputs or each other
+    (the full way tells the rest)."""
     for given in (input_grad, weight_grad):
-        if given is not None and any(np.may_share_memory(given, a) for a in inputs):
-            return None
-    if input_grad is None:
-        input_grad = np.empty(entry.allocate[3], x.dtype)
-    if weight_grad is None:
-        weight_grad = np.empty(entry.allocate[4], x.dtype)
-    elif np.may_share_memory(weight_grad, input_grad):
-        return None
-    _dispatch.launch_kept(entry.recipe, _views(entry, (g, x, weight, input_grad, weight_grad)),
-                          threads)
-    return input_grad, weight_grad
+        if given is not None and (_may_share(given, g) or _may_share(given, x)
+                                  or _may_share(given, weight)):
+            return False
+    return (input_grad is None or weight_grad is None
+            or not _may_share(weight_grad, input_grad))
 
 
 def keep(signature, rules, plan, recipe, views, given):

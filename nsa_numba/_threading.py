@@ -25,6 +25,7 @@ from numba.np.ufunc import parallel as _nb_parallel
 
 _TBB_MIN_INTERFACE = 12060  # the oldest TBB interface Numba accepts
 _launch_lock = threading.Lock()
+_concurrent = False     # whether the layer takes concurrent launches, once known
 _preloaded_tbb = None
 
 
@@ -79,10 +80,18 @@ def launch(kernel, threads, *args):
     few microseconds of work took 41 us on two threads and 23 us on one (T = 64,
     N = 1, D = 16, two sequences). Results do not depend on the thread count.
     """
-    if layer() in ("tbb", "omp"):
+    if _concurrent or _layer_is_concurrent():
         return call_with_threads(threads, kernel, *args)
     with _launch_lock:
         return call_with_threads(threads, kernel, *args)
+
+
+def _layer_is_concurrent():
+    """Whether the layer is one that takes concurrent launches (tbb, omp); remembered
+    once it is (the layer never changes after it starts)."""
+    global _concurrent
+    _concurrent = layer() in ("tbb", "omp")
+    return _concurrent
 
 
 def tbb_library():
@@ -118,7 +127,7 @@ def call_with_threads(limit, fn, *args):
     threads run with. Results do not depend on it: tiles are sized by the problem
     alone (see ``_plan``).
     """
-    get, put = _thread_count_functions()
+    get, put = _count_functions or _thread_count_functions()
     current = get()
     if current < 1:                  # not a count: let Numba's own function say why
         current = numba.get_num_threads()
