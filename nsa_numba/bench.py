@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import _dispatch, api
+from . import _dispatch, _threading, api
 from ._plan import Rules, plan_forward, plan_grad
 from ._jit import jit_parallel
 
@@ -381,6 +381,42 @@ def overhead(repeat, calls=2000):
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+#: flushed calls ``--overhead`` times up to their kernel launch
+TO_LAUNCH_ROUNDS = 101
+
+
+def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
+    """Medians of the microseconds a call that comes again spends in Python before its
+    kernel launch, after a cache flush (NumPy API, forward and backward, ``case``:
+    bench's first shape in bf16). The call stops where it would launch: Numba's
+    dispatch and the kernel are not run, so what is timed is the Python work alone,
+    which ``--split`` can only show as the noisy difference of two timings."""
+    case = case or Case(*DEFAULT_SHAPES[0], "bf16")
+    x, w, g, out, seq = make_data(case)
+    dx, dw = np.empty(x.shape, x.dtype), np.empty_like(w)
+    l, d = case.block, case.stride
+    calls = {"forward": lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+             "backward": lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                                       input_grad=dx, weight_grad=dw)}
+    for fn in calls.values():
+        fn()                                   # planned and kept
+    flush = CacheFlush()
+    stamps = []
+    times = {name: [] for name in calls}
+    real = _threading.call_with_threads
+    _threading.call_with_threads = lambda *args: stamps.append(time.perf_counter_ns())
+    try:
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                flush()
+                start = time.perf_counter_ns()
+                fn()
+                times[name].append((stamps[-1] - start) / 1e3)
+    finally:
+        _threading.call_with_threads = real
+    return case, {name: float(np.median(t)) for name, t in times.items()}
+
+
 def format_overhead(us):
     """The ``--overhead`` table: each call, and what the torch function adds to the
     NumPy call beyond the empty custom op."""
@@ -475,10 +511,15 @@ def main_overhead(args, threads):
     us = overhead(args.repeat)
     print(f"nsa_numba bench --overhead: {threads} thread(s); medians of {args.repeat} rounds")
     print(format_overhead(us))
+    case, cold = python_to_launch()
+    print(f"after a cache flush ({case.label}), Python time from the call to its kernel "
+          f"launch, medians of {TO_LAUNCH_ROUNDS}: forward {cold['forward']:.0f} us, "
+          f"backward {cold['backward']:.0f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, overhead_us=us, shape=OVERHEAD_SHAPE,
-                           repeat=args.repeat), f, indent=2)
+                           repeat=args.repeat, to_launch_us=cold,
+                           to_launch_case=asdict(case)), f, indent=2)
     return 0
 
 

@@ -13,6 +13,9 @@ sys.path.insert(0, str(ASV_DIR))
 
 from benchmarks import bench_compress as suite  # noqa: E402
 
+from nsa_numba import _threading  # noqa: E402
+from nsa_numba import bench as nsa_bench  # noqa: E402
+
 
 def test_history_config_builds_this_commit():
     # asv.conf.json's virtualenv, build and install commands on the checked-out commit
@@ -110,8 +113,17 @@ def test_bench_overhead_command():
                            "--repeat", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     for fragment in ("empty custom op", "forward, torch", "backward, NumPy",
-                     "beyond the empty custom op"):
+                     "beyond the empty custom op", "to its kernel launch"):
         assert fragment in proc.stdout
+
+
+def test_python_to_launch_stops_at_the_launch():
+    real = _threading.call_with_threads
+    case = nsa_bench.Case(256, 2, 32, 32, 16, 2, "bf16")
+    measured, us = nsa_bench.python_to_launch(case, rounds=3)
+    assert measured is case and set(us) == {"forward", "backward"}
+    assert all(v > 0 for v in us.values())
+    assert _threading.call_with_threads is real          # put back
 
 
 def test_first_call_snippet_runs():
