@@ -87,7 +87,7 @@ def _output(a):
 
 # The signatures are written out in full, not built in loops: after a cache flush
 # every bytecode a call runs is a miss, and the loops, list appends and helper
-# calls of a generic version cost a forward call 40 us more (bench's T = 32768).
+# calls of a generic version cost a call 10-20 us more (`bench --overhead`).
 
 def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
     """The signature of a forward call, or None (the call goes the full way). The
