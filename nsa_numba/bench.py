@@ -390,7 +390,9 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
     kernel launch, after a cache flush (NumPy API, forward and backward, ``case``:
     bench's first shape in bf16). The call stops where it would launch: Numba's
     dispatch and the kernel are not run, so what is timed is the Python work alone,
-    which ``--split`` can only show as the noisy difference of two timings."""
+    which ``--split`` can only show as the noisy difference of two timings. The stop
+    replaces ``_threading.call_with_threads`` meanwhile: for bench's own process
+    only, where no other thread calls the library."""
     case = case or Case(*DEFAULT_SHAPES[0], "bf16")
     x, w, g, out, seq = make_data(case)
     dx, dw = np.empty(x.shape, x.dtype), np.empty_like(w)
