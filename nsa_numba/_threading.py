@@ -106,10 +106,9 @@ def _thread_count_functions():
     """(get, set) of the calling thread's Numba thread count: once the layer runs, its
     own C functions, which Numba's public ones call after taking its start-up locks
     (one of them a process-shared lock) on every call; 55 us more per call after a
-    cache flush. Before that, and should Numba no longer have them, the public ones."""
+    cache flush. Before that, and should Numba no longer have them, the public ones.
+    Its caller reads ``_count_functions`` first, once set."""
     global _count_functions
-    if _count_functions is not None:
-        return _count_functions
     if _nb_parallel._is_initialized:
         get = getattr(_nb_parallel, "_get_num_threads", None)
         put = getattr(_nb_parallel, "_set_num_threads", None)
