@@ -108,14 +108,15 @@ class _Kept(threading.local):
 _kept = _Kept()
 
 
-def kept_scratch(recipe):
-    """(partials, scratch) for a run without a caller's workspace: views of this
-    thread's kept buffer (grown as needed, up to KEPT_SCRATCH_BYTES), or of new
-    memory when the run needs more or the buffer is in use (a signal handler's call
-    in the middle of a run). The kernels write every scratch element before they
-    read it, so reuse changes no bit of any result."""
+def kept_scratch(recipe, key=None):
+    """(partials, scratch) for a run without a caller's workspace (``key``: the
+    recipe's ``_scratch_key``, if known): views of this thread's kept buffer (grown
+    as needed, up to KEPT_SCRATCH_BYTES), or of new memory when the run needs more or
+    the buffer is in use (a signal handler's call in the middle of a run). The
+    kernels write every scratch element before they read it, so reuse changes no bit
+    of any result."""
     kept = _kept
-    key = (recipe.accumulator, recipe.partials, recipe.rows)
+    key = key or _scratch_key(recipe)
     if not kept.busy and kept.cuts is not None:
         cut = kept.cuts.get(key)
         if cut is not None:
@@ -130,6 +131,11 @@ def kept_scratch(recipe):
         kept.cuts.clear()
     cut = kept.cuts[key] = _cut_bytes(recipe, kept.buffer[:nbytes])
     return cut
+
+
+def _scratch_key(recipe):
+    """What a recipe's scratch cut depends on (its key in ``_Kept.cuts``)."""
+    return recipe.accumulator, recipe.partials, recipe.rows
 
 
 def _cut_bytes(recipe, memory):
@@ -226,6 +232,58 @@ def launch_kept(recipe, views, threads=None):
         launch(recipe, views, scratch, threads)
     finally:
         kept.busy = was
+
+
+#: the entry ``Again`` takes for each training kernel (``_kernels``, "calls that come
+#: again")
+_AGAIN = {_kernels.compress_forward: _kernels.compress_kept_forward,
+          _kernels.compress_forward_rows: _kernels.compress_kept_forward_rows,
+          _kernels.compress_forward_simd: _kernels.compress_kept_forward_simd,
+          _kernels.compress_backward: _kernels.compress_kept_backward}
+
+
+@dataclass(frozen=True)
+class Again:
+    """A recipe bound for calls that come again (``_repeat``): its kernel's entry,
+    which takes the caller's arrays in their storage dtype and own shape (``views``
+    of ``run_again``), and what the entry takes after them besides the scratch."""
+    recipe: Recipe
+    entry: object
+    constants: tuple          # dims, tiles, stride, D (and the backward's vector flag)
+    all_threads: bool         # the recipe wants the whole pool: no thread count to cap
+    scratch_key: tuple        # its scratch's key in this thread's kept cuts (kept_scratch)
+
+
+def again(recipe, views):
+    """The :class:`Again` of ``recipe`` run on storage ``views`` (``ROLES``' order) of
+    C-contiguous caller arrays; their [B, S, N, D] shapes become the entry's ``dims``."""
+    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64).reshape(-1, 4)
+    constants = (dims, recipe.tiles, recipe.stride, recipe.D)
+    if recipe.op == "grad":
+        constants += (recipe.vector,)
+    return Again(recipe, _AGAIN[recipe.kernel], constants,
+                 recipe.useful >= numba.config.NUMBA_NUM_THREADS, _scratch_key(recipe))
+
+
+def run_again(kept, threads, *views):
+    """Run :class:`Again` ``kept`` on the caller's arrays as storage-dtype ``views`` of
+    their own shapes, in ``ROLES``' order, on this thread's kept scratch; False, with
+    nothing written, when an output may share memory with an input (the caller then
+    goes the full way). ``threads`` as in ``launch``."""
+    recipe = kept.recipe
+    _firstrun.calling = recipe.dtype      # named if an entry compiles now
+    state = _kept
+    partials, rows = kept_scratch(recipe, kept.scratch_key)
+    scratch = (rows,) if recipe.op == "forward" else (partials, rows)
+    was, state.busy = state.busy, True
+    try:
+        if (kept.all_threads and (threads is None or threads >= recipe.useful)
+                and _threading.concurrent):       # no count to cap, no launch lock
+            return kept.entry(*views, *scratch, *kept.constants)
+        useful = recipe.useful if threads is None else min(threads, recipe.useful)
+        return _threading.launch(kept.entry, useful, *views, *scratch, *kept.constants)
+    finally:
+        state.busy = was
 
 
 def run(plan, workspace=None, threads=None):

@@ -673,6 +673,76 @@ def reduce_weight_grad(partials, wg):
             wg[j, n] = narrow(partials[0, n, j], wg)
 
 
+# -- calls that come again --------------------------------------------------------
+# ``_repeat`` launches a kept call through one of these: they take the caller's
+# C-contiguous arrays in their storage dtype and shape, check in machine code that
+# the outputs share no byte with the inputs (False, nothing written, when they
+# may: the caller then goes the full way, which says why), reshape them to the
+# kernel's [B, S, N, D] (``dims``: one row per such array) and run the kernel. After
+# a cache flush each Python step of a call costs microseconds (np.may_share_memory:
+# about 15 us, a reshape about 10); here they cost next to nothing, and the
+# backward's weight-gradient reduction needs no second launch from Python.
+
+@jit(inline="always")
+def _apart(a, b):
+    """Whether C-contiguous arrays ``a`` and ``b`` share no byte (their extents)."""
+    start_a = a.ctypes.data
+    start_b = b.ctypes.data
+    return (a.size == 0 or b.size == 0 or start_a + a.size * a.itemsize <= start_b
+            or start_b + b.size * b.itemsize <= start_a)
+
+
+@jit(inline="always")
+def _as_rows(a, dims, i):
+    """C-contiguous ``a`` reshaped to ``dims[i]`` (a [B, S, N, D] shape)."""
+    return a.reshape((dims[i, 0], dims[i, 1], dims[i, 2], dims[i, 3]))
+
+
+@jit(inline="always")
+def _kept_forward_views(x, w, out, dims):
+    """(whether ``out`` shares no byte with ``x`` or ``w``, x and out as [B, S, N, D])."""
+    return _apart(out, x) and _apart(out, w), _as_rows(x, dims, 0), _as_rows(out, dims, 1)
+
+
+@jit
+def compress_kept_forward(x, w, out, rows, dims, tiles, stride, D):
+    """``compress_forward`` for a kept call (above)."""
+    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    if apart:
+        compress_forward(x4, w, out4, tiles, stride, D, rows)
+    return apart
+
+
+@jit
+def compress_kept_forward_rows(x, w, out, rows, dims, tiles, stride, D):
+    """``compress_forward_rows`` for a kept call (above)."""
+    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    if apart:
+        compress_forward_rows(x4, w, out4, tiles, stride, D, rows)
+    return apart
+
+
+@jit
+def compress_kept_forward_simd(x, w, out, rows, dims, tiles, stride, D):
+    """``compress_forward_simd`` for a kept call (above)."""
+    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    if apart:
+        compress_forward_simd(x4, w, out4, tiles, stride, D, rows)
+    return apart
+
+
+@jit
+def compress_kept_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, vector):
+    """``compress_backward`` then ``reduce_weight_grad`` for a kept call (above)."""
+    if not (_apart(ig, g) and _apart(ig, x) and _apart(ig, w) and _apart(wg, g)
+            and _apart(wg, x) and _apart(wg, w) and _apart(wg, ig)):
+        return False
+    compress_backward(_as_rows(g, dims, 0), _as_rows(x, dims, 1), w, _as_rows(ig, dims, 2),
+                      partials, tiles, stride, D, rows, vector)
+    reduce_weight_grad(partials, wg)
+    return True
+
+
 @jit
 def _infer_writer(x, wt, cache, slots, source, D, i, row):
     """Writer i of compress_infer, its ``[N, D]`` sums in scratch ``row``."""

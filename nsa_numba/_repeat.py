@@ -6,12 +6,13 @@ the outputs' writability (and the weight's: the kernels take a writable one), th
 integers and the sequence values: never the array contents, and the addresses only
 to check that outputs share no memory with the inputs. A call's *signature* is all
 of that read, exactly (:func:`forward_signature`, :func:`grad_signature`). After a
-call succeeds, its :class:`Entry` (the ``_dispatch.Recipe`` and how to view the
-arrays) is kept under its signature; a later call with the same signature passes the
-same checks and gets the same plan, so it only checks memory overlap, views its
-arrays and launches. Anything else, and any overlap the quick check cannot rule out,
-goes the full way (``_plan``), which also raises every error: an entry only ever
-answers arguments that passed.
+call succeeds, its :class:`Entry` (a ``_dispatch.Again``: the recipe bound to its
+kernel's entry) is kept under its signature; a later call with the same signature
+passes the same checks and gets the same plan, so it only views its arrays in their
+storage dtype and launches the entry, which checks in machine code that the outputs
+share no memory with the inputs. Anything else, and any overlap, goes the full way
+(``_plan``), which also raises every error: an entry only ever answers arguments
+that passed.
 
 Signatures are taken only where equality means the same checks: arrays of exactly
 ``numpy.ndarray``, integers of exactly ``int`` (``True == 1`` and ``1.0 == 1`` in
@@ -46,34 +47,31 @@ _kept_bytes = 0
 _lock = threading.Lock()
 OUTPUTS = ("out", "input_grad", "weight_grad")
 _INT = {int}
-_may_share = np.may_share_memory
 
 
 @dataclass(frozen=True)
 class Entry:
     rules: object            # the Rules the call was checked with (kept alive: keys use its id)
-    recipe: object           # _dispatch.Recipe
-    shapes: tuple            # per ROLES entry: the storage view's shape (None: as is)
+    again: object            # _dispatch.Again
+    storage: np.dtype        # the dtype the entry takes the arrays in
     allocate: tuple          # per ROLES entry: the shape of an output to allocate, or None
 
 
-def _sequences(values):
-    """The sequence lengths' part of a signature, or None when they cannot be compared
-    exactly."""
-    if values is None:
+def _sequences(block, stride, seq, seq_type, layout):
+    """The sequence lengths' part of a signature, or None when they, or the call's
+    scalars, cannot be compared exactly (not of the exact types a signature holds)."""
+    if not (type(block) is int and type(stride) is int and type(seq_type) is int
+            and (layout is None or type(layout) is str)):
+        return None
+    if seq is None:
         return ()
-    kind = type(values)
+    kind = type(seq)
     if kind is list or kind is tuple:
-        return tuple(values) if set(map(type, values)) == _INT else None
-    if kind is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
-        return values.dtype.str, values.tobytes()
+        values = tuple(seq)
+        return values if set(map(type, values)) == _INT else None
+    if kind is np.ndarray and seq.ndim == 1 and seq.dtype.kind in "iu":
+        return seq.dtype.str, seq.tobytes()
     return None
-
-
-def _plain(block, stride, seq_type, layout):
-    """Whether the call's scalars are of the exact types a signature can hold."""
-    return (type(block) is int and type(stride) is int and type(seq_type) is int
-            and (layout is None or type(layout) is str))
 
 
 def _output(a):
@@ -92,10 +90,9 @@ def _output(a):
 def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
     """The signature of a forward call, or None (the call goes the full way). The
     weight's writability counts: the kernels take a writable weight."""
-    if not (type(x) is np.ndarray and type(weight) is np.ndarray
-            and _plain(block, stride, seq_type, layout)):
+    if not (type(x) is np.ndarray and type(weight) is np.ndarray):
         return None
-    sequences = _sequences(seq)
+    sequences = _sequences(block, stride, seq, seq_type, layout)
     given = _output(out)
     if sequences is None or given is None:
         return None
@@ -108,9 +105,9 @@ def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
                    input_grad, weight_grad):
     """The signature of a backward call, or None."""
     if not (type(grad) is np.ndarray and type(x) is np.ndarray
-            and type(weight) is np.ndarray and _plain(block, stride, seq_type, layout)):
+            and type(weight) is np.ndarray):
         return None
-    sequences = _sequences(seq)
+    sequences = _sequences(block, stride, seq, seq_type, layout)
     given_ig = _output(input_grad)
     given_wg = _output(weight_grad)
     if sequences is None or given_ig is None or given_wg is None:
@@ -119,11 +116,6 @@ def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
             grad.dtype, grad.shape, grad.strides, x.dtype, x.shape, x.strides,
             weight.dtype, weight.shape, weight.strides, weight.flags.writeable,
             given_ig, given_wg)
-
-
-def _view(a, storage, shape):
-    """The storage view of caller's array ``a`` that a kept entry takes."""
-    return a.view(storage) if shape is None else a.view(storage).reshape(shape)
 
 
 def compress(rules, args, threads=None, known=True):
@@ -137,15 +129,10 @@ def compress(rules, args, threads=None, known=True):
     if entry is not None:
         if out is None:
             out = np.empty(entry.allocate[2], x.dtype)
-        elif _may_share(out, x) or _may_share(out, weight):
-            entry = None                    # the full way says whether they overlap
-    if entry is not None:
-        recipe, shapes = entry.recipe, entry.shapes
-        storage = recipe.storage
-        _dispatch.launch_kept(recipe, (_view(x, storage, shapes[0]),
-                                       _view(weight, storage, shapes[1]),
-                                       _view(out, storage, shapes[2])), threads)
-        return out
+        storage = entry.storage
+        if _dispatch.run_again(entry.again, threads, x.view(storage), weight.view(storage),
+                               out.view(storage)):
+            return out
     plan = plan_forward(rules, *args)
     keep(signature, rules, plan, *_dispatch.run(plan, threads=threads),
          () if out is None else ("out",))
@@ -157,21 +144,16 @@ def compress_grad(rules, args, threads=None, known=True):
     g, x, weight, input_grad, weight_grad = args[0], args[1], args[2], args[-2], args[-1]
     signature = grad_signature(rules, *args) if known else None
     entry = _entries.get(signature)
-    if entry is not None and not _grad_outputs_apart(g, x, weight, input_grad, weight_grad):
-        entry = None
     if entry is not None:
         if input_grad is None:
             input_grad = np.empty(entry.allocate[3], x.dtype)
         if weight_grad is None:
             weight_grad = np.empty(entry.allocate[4], x.dtype)
-        recipe, shapes = entry.recipe, entry.shapes
-        storage = recipe.storage
-        _dispatch.launch_kept(recipe, (_view(g, storage, shapes[0]),
-                                       _view(x, storage, shapes[1]),
-                                       _view(weight, storage, shapes[2]),
-                                       _view(input_grad, storage, shapes[3]),
-                                       _view(weight_grad, storage, shapes[4])), threads)
-        return input_grad, weight_grad
+        storage = entry.storage
+        if _dispatch.run_again(entry.again, threads, g.view(storage), x.view(storage),
+                               weight.view(storage), input_grad.view(storage),
+                               weight_grad.view(storage)):
+            return input_grad, weight_grad
     plan = plan_grad(rules, *args)
     given = tuple(role for role, a in (("input_grad", input_grad), ("weight_grad", weight_grad))
                   if a is not None)
@@ -179,45 +161,33 @@ def compress_grad(rules, args, threads=None, known=True):
     return plan.arrays["input_grad"], plan.arrays["weight_grad"]
 
 
-def _grad_outputs_apart(g, x, weight, input_grad, weight_grad):
-    """Whether the given outputs surely share no memory with the inputs or each other
-    (the full way tells the rest)."""
-    for given in (input_grad, weight_grad):
-        if given is not None and (_may_share(given, g) or _may_share(given, x)
-                                  or _may_share(given, weight)):
-            return False
-    return (input_grad is None or weight_grad is None
-            or not _may_share(weight_grad, input_grad))
-
-
 def keep(signature, rules, plan, recipe, views, given):
     """Keep what ``plan`` (run as ``recipe`` on storage ``views``) needs for later calls
-    with ``signature``, if its arrays allow (C-contiguous, storage views that are
-    reshapes of them). ``given``: which roles' outputs the caller passed (the others
-    were allocated)."""
+    with ``signature``, if its arrays allow: C-contiguous, with storage views that
+    are reshapes of them (the weights' views of the same shape). ``given``: which
+    roles' outputs the caller passed (the others were allocated)."""
     if signature is None:
         return
     roles = _dispatch.ROLES[plan.op]
-    shapes, allocate = [], []
+    allocate = []
     for role, view in zip(roles, views):
         a = plan.arrays[role]
-        if view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize or (
-                role in plan.views and not (a.flags.c_contiguous and view.flags.c_contiguous
-                                            and view.size == a.size)):
+        if (view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize
+                or not (a.flags.c_contiguous and view.flags.c_contiguous)
+                or view.size != a.size or (view.ndim != 4 and view.shape != a.shape)):
             return          # a copy, a padded carrier, words, a strided view: the full way
-        shapes.append(None if view.shape == a.shape else view.shape)
         allocate.append(a.shape if role in OUTPUTS and role not in given else None)
     if recipe.tiles.nbytes > KEPT_BYTES // 8:
         return
     global _kept_bytes
-    entry = Entry(rules, recipe, tuple(shapes), tuple(allocate))
+    entry = Entry(rules, _dispatch.again(recipe, views), recipe.storage, tuple(allocate))
     with _lock:
         if signature in _entries:          # another thread kept the same call
             return
         _entries[signature] = entry
         _kept_bytes += recipe.tiles.nbytes
         while len(_entries) > KEPT or _kept_bytes > KEPT_BYTES:
-            _kept_bytes -= _entries.pop(next(iter(_entries))).recipe.tiles.nbytes
+            _kept_bytes -= _entries.pop(next(iter(_entries))).again.recipe.tiles.nbytes
 
 
 def forget():

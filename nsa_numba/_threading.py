@@ -25,7 +25,7 @@ from numba.np.ufunc import parallel as _nb_parallel
 
 _TBB_MIN_INTERFACE = 12060  # the oldest TBB interface Numba accepts
 _launch_lock = threading.Lock()
-_concurrent = False     # whether the layer takes concurrent launches, once known
+concurrent = False      # whether the layer takes concurrent launches, once known
 _preloaded_tbb = None
 
 
@@ -80,7 +80,7 @@ def launch(kernel, threads, *args):
     few microseconds of work took 41 us on two threads and 23 us on one (T = 64,
     N = 1, D = 16, two sequences). Results do not depend on the thread count.
     """
-    if _concurrent or _layer_is_concurrent():
+    if concurrent or _layer_is_concurrent():
         return call_with_threads(threads, kernel, *args)
     with _launch_lock:
         return call_with_threads(threads, kernel, *args)
@@ -89,9 +89,9 @@ def launch(kernel, threads, *args):
 def _layer_is_concurrent():
     """Whether the layer is one that takes concurrent launches (tbb, omp); remembered
     once it is (the layer never changes after it starts)."""
-    global _concurrent
-    _concurrent = layer() in ("tbb", "omp")
-    return _concurrent
+    global concurrent
+    concurrent = layer() in ("tbb", "omp")
+    return concurrent
 
 
 def tbb_library():

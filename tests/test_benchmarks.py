@@ -13,7 +13,7 @@ sys.path.insert(0, str(ASV_DIR))
 
 from benchmarks import bench_compress as suite  # noqa: E402
 
-from nsa_numba import _threading  # noqa: E402
+from nsa_numba import _dispatch, _repeat  # noqa: E402
 from nsa_numba import bench as nsa_bench  # noqa: E402
 
 
@@ -118,12 +118,12 @@ def test_bench_overhead_command():
 
 
 def test_python_to_launch_stops_at_the_launch():
-    real = _threading.call_with_threads
     case = nsa_bench.Case(256, 2, 32, 32, 16, 2, "bf16")
     measured, us = nsa_bench.python_to_launch(case, rounds=3)
     assert measured is case and set(us) == {"forward", "backward"}
     assert all(v > 0 for v in us.values())
-    assert _threading.call_with_threads is real          # put back
+    entries = [e.again.entry for e in _repeat._entries.values()]
+    assert entries and all(e in _dispatch._AGAIN.values() for e in entries)   # put back
 
 
 def test_first_call_snippet_runs():

@@ -68,17 +68,30 @@ def test_same_bits_for_every_thread_count():
 
 
 def test_threads_caps_the_calls_in_its_block(monkeypatch):
+    from dataclasses import replace
+
     import numba
 
-    from nsa_numba import _threading
-    seen = []
-    real = _threading.call_with_threads
+    from nsa_numba import _dispatch, _threading
+    seen = []                   # Numba's thread count while each kernel ran
+    real_call, real_kept = _threading.call_with_threads, _dispatch.run_again
 
-    def recording(limit, fn, *args):
-        seen.append(numba.get_num_threads())
-        return real(limit, fn, *args)
+    def recorded(fn):
+        def run(*args):
+            seen.append(numba.get_num_threads())
+            return fn(*args)
+        run.recorded = True
+        return run
 
-    monkeypatch.setattr(_threading, "call_with_threads", recording)
+    def recording_call(limit, fn, *args):           # any launch with a count to cap
+        return real_call(limit, fn if getattr(fn, "recorded", False) else recorded(fn),
+                         *args)
+
+    def recording_kept(kept, threads, *views):      # a call that came again
+        return real_kept(replace(kept, entry=recorded(kept.entry)), threads, *views)
+
+    monkeypatch.setattr(_threading, "call_with_threads", recording_call)
+    monkeypatch.setattr(_dispatch, "run_again", recording_kept)
     data = random_problem(**PROBLEM, dtype=DTYPES[0])
     pool = numba.config.NUMBA_NUM_THREADS
     before = numba.get_num_threads()

@@ -215,7 +215,7 @@ def test_kept_tile_tables_are_bounded(plans, monkeypatch):
     for k in range(12):          # eight sequences, a tile each: 640 bytes, an eighth
         ends = [2 * L * (i + 1) + k for i in range(7)] + [20 * L]
         nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=ends)
-    kept = [e.recipe.tiles.nbytes for e in _repeat._entries.values()]
+    kept = [e.again.recipe.tiles.nbytes for e in _repeat._entries.values()]
     assert kept == [640] * 8 and _repeat._kept_bytes == 64 * 80     # the oldest went
     big = [2 * L * (i + 1) for i in range(8)] + [20 * L]    # nine tiles: over an eighth
     for _ in range(2):
@@ -283,3 +283,47 @@ def test_any_weight_array_runs_the_kernels_compiled_for_one(plans):
         gx, gw = nsa_numba.nsa_compress_grad(g, x, weight, L, S, actual_seq_len=SEQ)
         assert_grad_accurate(gx, gw, g, x, w, L, S, SEQ)
     assert sum(len(k.signatures) for k in kernels) == compiled
+
+
+def test_calls_with_work_for_every_thread_launch_their_entry_directly(plans, monkeypatch):
+    # a call that comes again with work for the whole pool skips the Python thread
+    # count handling: same bits as the full way, and no launch through _threading
+    import numba
+    rng = np.random.default_rng(5)
+    seq = [0, 3000, 6000]
+    launches = []
+    real = _threading.launch
+
+    def counting(kernel, threads, *args):
+        launches.append(kernel)
+        return real(kernel, threads, *args)
+
+    monkeypatch.setattr(_threading, "launch", counting)
+    for seed in range(2):
+        x = rng.standard_normal((6000, 3, 64)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((L, 3)).astype(ml_dtypes.bfloat16)
+        g = rng.standard_normal((2 * ((3000 - L) // S + 1), 3, 64)).astype(ml_dtypes.bfloat16)
+        y = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=seq)
+        gx, gw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq)
+        assert_forward_accurate(y, x, w, L, S, seq)
+        assert_grad_accurate(gx, gw, g, x, w, L, S, seq)
+    kept = [e.again for e in _repeat._entries.values()]
+    assert len(kept) == 2 and all(k.recipe.useful >= numba.config.NUMBA_NUM_THREADS
+                                  and k.all_threads for k in kept)
+    assert len(launches) == 2            # the first calls', planned the full way
+    assert np.array_equal(bits(full_way(nsa_numba.nsa_compress, x, w, L, S,
+                                        actual_seq_len=seq)), bits(y))
+    full = full_way(nsa_numba.nsa_compress_grad, g, x, w, L, S, actual_seq_len=seq)
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(full, (gx, gw)))
+
+
+def test_the_entries_overlap_check_is_numpys_on_contiguous_arrays():
+    from nsa_numba._kernels import _apart
+    buffer = np.zeros(64, np.float32)
+    spans = [(0, 16), (8, 24), (16, 32), (31, 40), (40, 40), (10, 10), (0, 64), (63, 64)]
+    for a0, a1 in spans:
+        for b0, b1 in spans:
+            a, b = buffer[a0:a1], buffer[b0:b1]
+            assert _apart(a, b) == (not np.may_share_memory(a, b)), (a0, a1, b0, b1)
+            # across dtypes and shapes, as the entries see weights beside rows
+            assert _apart(a.view(np.int16).reshape(-1, 2), b) == _apart(a, b)
