@@ -7,15 +7,10 @@ from ._plan import Rules
 
 _FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
 #: one Rules object per operator and strictness: calls that come again are known by it
-#: (``_repeat``); a ``strict`` that is not a bool gets new Rules and the full path
+#: (``_repeat``); a ``strict`` that is not a bool gets new Rules and the full path (read
+#: inline in each function: after a cache flush a helper call costs microseconds)
 _RULES = {(op, strict): Rules(op, strict=strict) for op in (_FORWARD, _GRAD)
           for strict in (False, True)}
-
-
-def _rules(op, strict):
-    """(Rules, whether ``_repeat`` may know the call by them)."""
-    rules = _RULES.get((op, strict)) if type(strict) is bool else None
-    return (rules, True) if rules is not None else (Rules(op, strict=strict), False)
 
 
 def nsa_compress(input, weight, compress_block_size, compress_stride, *,
@@ -62,10 +57,11 @@ def nsa_compress(input, weight, compress_block_size, compress_stride, *,
         (a ValueError) with ``.status`` 161001 for a required array that is None,
         161002 for any other invalid argument. Nothing is written then.
     """
-    rules, known = _rules(_FORWARD, strict)
-    return _repeat.compress(rules, (input, weight, compress_block_size, compress_stride,
-                                    actual_seq_len, actual_seq_len_type, layout, out),
-                            known=known)
+    rules = _RULES.get((_FORWARD, strict)) if type(strict) is bool else None
+    return _repeat.compress(rules or Rules(_FORWARD, strict=strict),
+                            (input, weight, compress_block_size, compress_stride,
+                             actual_seq_len, actual_seq_len_type, layout, out),
+                            known=rules is not None)
 
 
 def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
@@ -86,10 +82,11 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
     Returns ``(input_grad, weight_grad)`` in ``input``'s dtype. Deterministic:
     bitwise identical results for any thread count.
     """
-    rules, known = _rules(_GRAD, strict)
-    return _repeat.compress_grad(rules, (grad, input, weight, compress_block_size,
-                                         compress_stride, actual_seq_len, actual_seq_len_type,
-                                         layout, input_grad, weight_grad), known=known)
+    rules = _RULES.get((_GRAD, strict)) if type(strict) is bool else None
+    return _repeat.compress_grad(rules or Rules(_GRAD, strict=strict),
+                                 (grad, input, weight, compress_block_size, compress_stride,
+                                  actual_seq_len, actual_seq_len_type, layout, input_grad,
+                                  weight_grad), known=rules is not None)
 
 
 def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compress_stride,
