@@ -12,15 +12,18 @@ USER_CALLS = """
 import numpy as np
 import nsa_numba
 rng = np.random.default_rng(0)
-for T, N, D, seq in [(300, 4, 128, [0, 100, 300]), (96, 2, 48, None), (200, 32, 128, [0, 200])]:
-    x = rng.standard_normal((T, N, D)).astype(np.float32)
-    w = rng.standard_normal((32, N)).astype(np.float32)
-    out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
-    nsa_numba.nsa_compress_grad(np.ones_like(out), x, w, 32, 16, actual_seq_len=seq,
-                                strict=False)
-x = rng.standard_normal((300, 4, 256)).astype(np.float32)[..., ::2]   # every other element
-out = nsa_numba.nsa_compress(x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
-nsa_numba.nsa_compress_grad(np.ones_like(out), x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
+for step in range(2):          # a training loop: the second step's calls come again
+    for T, N, D, seq in [(300, 4, 128, [0, 100, 300]), (96, 2, 48, None),
+                         (200, 32, 128, [0, 200])]:
+        x = rng.standard_normal((T, N, D)).astype(np.float32)
+        w = rng.standard_normal((32, N)).astype(np.float32)
+        out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
+        nsa_numba.nsa_compress_grad(np.ones_like(out), x, w, 32, 16, actual_seq_len=seq,
+                                    strict=False)
+    x = rng.standard_normal((300, 4, 256)).astype(np.float32)[..., ::2]   # every other element
+    out = nsa_numba.nsa_compress(x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
+    nsa_numba.nsa_compress_grad(np.ones_like(out), x, w[:, :4], 32, 16,
+                                actual_seq_len=[0, 300])
 x = rng.standard_normal((8, 64, 2, 128)).astype(np.float32)
 cache = np.zeros((40, 2, 128), np.float32)
 for writers in (1, 40):
