@@ -12,8 +12,11 @@ PyTorch is installed, the time of the idiomatic PyTorch implementation (``unfold
 as many calls, which can only favour it.
 
 A copy counts its read and its write, which the memory system serves side by side;
-``--read`` also times a read-only pass in the same rounds, the ceiling for the
-forward, which reads d bytes for every byte it writes.
+``--read`` also times two read-only passes in the same rounds: one over a buffer
+larger than the caches, the ceiling for the forward, which reads d bytes for every
+byte it writes; and one over each case's own input (a parallel Numba pass in
+tile-sized chunks, which takes the input's own memory out of the comparison), which
+a forward that reads its input once at most matches.
 
 Bytes counted: forward = input read + output written; backward = input read + grad
 read + input_grad written (the weights are negligible).
@@ -91,6 +94,32 @@ def _read_all(buffer):
         for i in range(c * _COPY_CHUNK, min(buffer.size, (c + 1) * _COPY_CHUNK)):
             total += buffer[i]
     return total
+
+
+#: bytes of a case's input ``input_read_task`` reads per parallel iteration (a
+#: forward tile's size on bench's shapes)
+_INPUT_READ_CHUNK = 256 << 10
+
+
+@jit_parallel
+def _read_words(words, chunk):
+    """XOR of ``words`` (uint64), in parallel chunks of ``chunk`` words."""
+    total = np.uint64(0)
+    for c in prange((words.size + chunk - 1) // chunk):
+        part = np.uint64(0)
+        for i in range(c * chunk, min(words.size, (c + 1) * chunk)):
+            part ^= words[i]
+        total += part
+    return total
+
+
+def input_read_task(x):
+    """(function, bytes read) of a read-only pass over ``x``'s memory, or None for an
+    input that is not C-contiguous in whole 8-byte words."""
+    if not x.flags.c_contiguous or x.nbytes % 8:
+        return None
+    words = x.reshape(-1).view(np.uint64)
+    return (lambda: _read_words(words, _INPUT_READ_CHUNK // 8)), x.nbytes
 
 
 class CacheFlush:
@@ -226,8 +255,9 @@ def run_case(case, repeat, copy, use_torch, flush, read=None, split=False):
              lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
                                            input_grad=dx, weight_grad=dw)]
     tasks += list(prepared_launches(x, w, g, out, dx, dw, l, d, seq)) if split else []
-    times = [np.array(t) for t in round_times(tasks + ([read[0]] if read else []), repeat,
-                                              settle=flush)]
+    own = input_read_task(x) if read else None
+    reads = ([read[0]] if read else []) + ([own[0]] if own else [])
+    times = [np.array(t) for t in round_times(tasks + reads, repeat, settle=flush)]
     t_copy, t_fwd, t_bwd = times[:3]
     copy_gbs = copy_bytes / np.median(t_copy) / 1e9
     item = x.dtype.itemsize
@@ -235,7 +265,7 @@ def run_case(case, repeat, copy, use_torch, flush, read=None, split=False):
     bwd_bytes = (2 * x.size + g.size) * item
     result = dict(case=asdict(case), label=case.label, copy_gbs=copy_gbs)
     if read:
-        result["read_gbs"] = read[1] / np.median(times[-1]) / 1e9
+        result["read_gbs"] = read[1] / np.median(times[len(tasks)]) / 1e9
 
     def pct_copy(t, nbytes):
         # each round's rate against that round's copy rate, then the median
@@ -249,6 +279,15 @@ def run_case(case, repeat, copy, use_torch, flush, read=None, split=False):
                               ("backward", times[4], bwd_bytes)):
             result[op].update(launch_ms=np.median(t) * 1e3,
                               launch_pct_copy=pct_copy(t, nbytes))
+    if own:
+        # the forward against reading its input once: per round, the read's time over
+        # the forward's (the output it writes counts as nothing)
+        t_own = times[-1]
+        result["input_read_gbs"] = own[1] / np.median(t_own) / 1e9
+        result["forward"]["pct_input_read"] = float(np.median(100 * t_own / t_fwd))
+        if split:
+            result["forward"]["launch_pct_input_read"] = float(np.median(100 * t_own
+                                                                         / times[3]))
     baseline = torch_baseline(case, x, w, g, seq, max(1, repeat // 3)) if use_torch else None
     if baseline is not None:
         for op, seconds in zip(("forward", "backward"), baseline):
@@ -273,6 +312,22 @@ def format_table(results):
             lines.append(f"{r['label'] if op == 'forward' else '':<52}{op:<9}"
                          f"{m['ms']:>9.3f}{m['gbs']:>8.1f}{r['copy_gbs']:>7.1f}"
                          f"{m['pct_copy']:>7.0f}%{torch_cols}{launch}")
+    return "\n".join(lines)
+
+
+def format_input_reads(results):
+    """``--read``'s second table: per case, a parallel read of its own input and the
+    forward's time against it (the call, and its launches alone with --split)."""
+    lines = [f"{'case (forward against reading its input once)':<52}{'read GB/s':>10}"
+             f"{'% of read':>11}{'launch':>8}"]
+    for r in results:
+        m = r["forward"]
+        if "pct_input_read" not in m:
+            lines.append(f"{r['label']:<52}{'-':>10}   (input not C-contiguous)")
+            continue
+        launch = f"{m['launch_pct_input_read']:>7.0f}%" if "launch_pct_input_read" in m else ""
+        lines.append(f"{r['label']:<52}{r['input_read_gbs']:>10.1f}"
+                     f"{m['pct_input_read']:>10.0f}%{launch}")
     return "\n".join(lines)
 
 
@@ -492,6 +547,8 @@ def main(args):
         print(f"read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s (read only: {read[1] >> 20} "
               f"MiB by {threads} NumPy reduction(s), timed in the same rounds)")
     print(format_table(results))
+    if read:
+        print(format_input_reads(results))
     if not use_torch:
         print("(PyTorch columns: not installed or --no-torch)")
     if args.split:
@@ -801,7 +858,8 @@ def add_arguments(parser):
     parser.add_argument("--read", action="store_true",
                         help="also time a read-only pass over a buffer larger than the "
                              "caches in the same rounds, and print its GB/s: the ceiling "
-                             "of a kernel that mostly reads")
+                             "of a kernel that mostly reads; and one over each case's own "
+                             "input, with the forward's time against it")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the results (PNG or SVG by the suffix; needs "

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ASV_DIR = pathlib.Path(__file__).resolve().parent.parent / "asv_bench"
@@ -174,6 +175,34 @@ def test_bench_read_yardstick(tmp_path):
     assert "read bandwidth" in proc.stdout
     [result] = json.loads(out.read_text())["results"]
     assert result["read_gbs"] > 0
+
+
+def test_bench_reads_each_cases_own_input(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
+         "--dtype", "bf16", "--repeat", "2", "--no-torch", "--read", "--split", "--strided",
+         "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    contiguous, *views = json.loads(out.read_text())["results"]
+    assert contiguous["input_read_gbs"] > 0
+    assert contiguous["forward"]["pct_input_read"] > 0
+    assert contiguous["forward"]["launch_pct_input_read"] > 0
+    assert len(views) == 2 and all("input_read_gbs" not in r for r in views)
+    table = proc.stdout.split("forward against reading its input once")[1].splitlines()
+    assert table[1].startswith(contiguous["label"])
+    assert table[1].split()[-2] == f"{contiguous['forward']['pct_input_read']:.0f}%"
+    assert all(line.endswith("(input not C-contiguous)") for line in table[2:4])
+
+
+def test_input_read_reads_every_word():
+    x = np.random.default_rng(0).integers(0, 2**63, 3 * 32768 + 5, np.uint64)   # 4 chunks
+    read, nbytes = nsa_bench.input_read_task(x)
+    chunk = nsa_bench._INPUT_READ_CHUNK // 8
+    parts = [np.bitwise_xor.reduce(x[i:i + chunk]) for i in range(0, x.size, chunk)]
+    assert nbytes == x.nbytes and read() == np.sum(parts, dtype=np.uint64)
+    assert nsa_bench.input_read_task(x[::2]) is None
 
 
 def test_bench_rejects_bad_arguments():
