@@ -15,8 +15,10 @@ A copy counts its read and its write, which the memory system serves side by sid
 ``--read`` also times two read-only passes in the same rounds: one over a buffer
 larger than the caches, the ceiling for the forward, which reads d bytes for every
 byte it writes; and one over each case's own input (a parallel Numba pass in
-tile-sized chunks, which takes the input's own memory out of the comparison), which
-a forward that reads its input once at most matches.
+tile-sized chunks), which reads the very memory the forward reads, where the copy
+reads other memory. A forward that reads its input once matches that pass at best,
+except where the pass, which leaves the prefetching to the hardware, runs slow on
+that memory and the forward's software prefetch does not.
 
 Bytes counted: forward = input read + output written; backward = input read + grad
 read + input_grad written (the weights are negligible).
