@@ -13,6 +13,7 @@ _threading.configure()  # before anything can start Numba's thread pool
 from . import _firstrun  # noqa: E402
 from ._errors import NsaError  # noqa: E402
 from ._firstrun import compile_messages, warmup  # noqa: E402
+from ._outputs import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
 from .api import nsa_compress, nsa_compress_grad, nsa_compress_infer  # noqa: E402
 
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 
 _firstrun.install()
 
-__all__ = ["NsaError", "compile_messages", "nsa_compress", "nsa_compress_grad",
-           "nsa_compress_infer", "threads", "warmup", "__version__"]
+__all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress", "nsa_compress_grad",
+           "nsa_compress_infer", "release_outputs", "threads", "warmup", "__version__"]

@@ -87,7 +87,7 @@ def info(args):
     import numba
 
     import nsa_numba
-    from nsa_numba import _halfprec, _kernels, _simd, _target, _threading
+    from nsa_numba import _halfprec, _kernels, _outputs, _simd, _target, _threading
 
     # run one tiny call so Numba picks its threading layer
     x = np.zeros((16, 1, 16), np.float32)
@@ -110,6 +110,9 @@ def info(args):
                         f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
         ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
+        ("kept outputs", f"up to {_outputs.keep_outputs() >> 20} MiB of allocated outputs "
+                         f"of {_outputs.MIN_BYTES >> 20} MiB or more"
+                         if _outputs.keep_outputs() else "off (every output allocated)"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

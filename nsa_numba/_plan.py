@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from . import _seqlens
+from . import _outputs, _seqlens
 from ._errors import invalid, missing
 from . import _kernels
 from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
@@ -234,7 +234,7 @@ def _check_same_dtype(rules, dtype, key, a):
 def _check_output(rules, key, a, shape, dtype, dims):
     """A caller-provided output, or a new one when the rules allow allocation."""
     if a is None and rules.allocate_outputs:
-        return np.empty(shape, dtype=dtype)
+        return _outputs.empty(tuple(shape), dtype)
     check_array(rules, key, a, len(shape), dims)
     name = rules.names[key]
     if a.shape != tuple(shape):

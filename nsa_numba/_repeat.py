@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _dispatch
+from . import _dispatch, _outputs
 from ._plan import plan_forward, plan_grad
 
 #: most signatures kept, and most bytes of tile tables they may hold (the oldest go
@@ -128,7 +128,7 @@ def compress(rules, args, threads=None, known=True):
     entry = _entries.get(signature)         # None is never a key
     if entry is not None:
         if out is None:
-            out = np.empty(entry.allocate[2], x.dtype)
+            out = _outputs.empty(entry.allocate[2], x.dtype)
         storage = entry.storage
         if _dispatch.run_again(entry.again, threads, x.view(storage), weight.view(storage),
                                out.view(storage)):
@@ -146,9 +146,9 @@ def compress_grad(rules, args, threads=None, known=True):
     entry = _entries.get(signature)
     if entry is not None:
         if input_grad is None:
-            input_grad = np.empty(entry.allocate[3], x.dtype)
+            input_grad = _outputs.empty(entry.allocate[3], x.dtype)
         if weight_grad is None:
-            weight_grad = np.empty(entry.allocate[4], x.dtype)
+            weight_grad = _outputs.empty(entry.allocate[4], x.dtype)
         storage = entry.storage
         if _dispatch.run_again(entry.again, threads, g.view(storage), x.view(storage),
                                weight.view(storage), input_grad.view(storage),

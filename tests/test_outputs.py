@@ -1,0 +1,218 @@
+"""Kept output buffers (``_outputs``): an allocated output comes back only once nothing
+refers to it, with results as exact as a fresh one's."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nsa_numba
+from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
+from nsa_numba import _outputs, _repeat
+
+L, S = 32, 16
+# an input gradient of 8 MiB: over _outputs.MIN_BYTES
+T, N, D = 8192, 4, 64
+SEQ = [3000, 3001, 8192]      # tails no window covers (their gradient rows are zero)
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """Nothing kept before or after; the default budget."""
+    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
+    _outputs.release_outputs()
+    yield
+    _outputs.release_outputs()
+
+
+def problem(dtype=np.float32, seed=0):
+    return random_problem(T, N, D, L, S, SEQ, dtype, seed=seed)
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_the_input_gradient_is_large_enough_to_keep():
+    x, w, g = problem()
+    assert x.nbytes >= _outputs.MIN_BYTES > g.nbytes
+
+
+def test_a_dropped_output_is_handed_out_again_with_exact_results(kept):
+    x, w, g = problem()
+    dx, dw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    first = address(dx)
+    dx[...] = np.nan                        # what the next call finds there
+    del dx
+    x2, w2, g2 = problem(seed=1)
+    dx2, dw2 = nsa_numba.nsa_compress_grad(g2, x2, w2, L, S, actual_seq_len=SEQ)
+    assert address(dx2) == first
+    assert_grad_accurate(dx2, dw2, g2, x2, w2, L, S, SEQ)
+    assert _outputs.kept()[:2] == (1, dx2.nbytes)
+
+
+@pytest.mark.parametrize("hold", ["array", "view", "memoryview", "strided_view"])
+def test_an_output_still_referred_to_is_not_handed_out(kept, hold):
+    x, w, g = problem()
+    dx, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    before = dx.copy()
+    holder = {"array": lambda a: a, "view": lambda a: a[100:],
+              "memoryview": memoryview, "strided_view": lambda a: a.view()[::2]}[hold](dx)
+    first = address(dx)
+    del dx
+    x2, w2, g2 = problem(seed=1)
+    dx2, _ = nsa_numba.nsa_compress_grad(g2, x2, w2, L, S, actual_seq_len=SEQ)
+    assert address(dx2) != first
+    held = np.asarray(holder)
+    assert np.array_equal(held, {"array": before, "view": before[100:], "memoryview": before,
+                                 "strided_view": before[::2]}[hold], equal_nan=True)
+    assert _outputs.kept()[0] == 2
+
+
+def test_the_caller_gets_a_view_whose_flags_do_not_reach_the_buffer(kept):
+    x, w, g = problem()
+    dx, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    assert dx.base is not None and dx.flags.owndata is False
+    dx.flags.writeable = False
+    dx.shape = (T * N, D)
+    first = address(dx)
+    del dx
+    dx2, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    assert address(dx2) == first
+    assert dx2.flags.writeable and dx2.shape == (T, N, D)
+
+
+def test_the_forward_output_and_every_layout_come_back_exact(kept, monkeypatch):
+    # every output kept, however small: the padded layouts, short sequences, a
+    # sequence shorter than a window, and non-strict d > l (tokens between windows)
+    monkeypatch.setattr(_outputs, "MIN_BYTES", 0)
+    rng = np.random.default_rng(3)
+    cases = [(dict(), [40, 41, 300], L, S), (dict(strict=False), [10, 40, 300], 20, 24)]
+    for kw, seq, block, stride in cases:
+        x, w, g = random_problem(300, 2, 16, block, stride, seq, ml_dtypes.bfloat16, seed=4)
+        for _ in range(2):          # the second time round, from kept buffers
+            out = nsa_numba.nsa_compress(x, w, block, stride, actual_seq_len=seq, **kw)
+            assert_forward_accurate(out, x, w, block, stride, seq)
+            out[...] = np.nan
+            dx, dw = nsa_numba.nsa_compress_grad(g, x, w, block, stride, actual_seq_len=seq,
+                                                 **kw)
+            assert_grad_accurate(dx, dw, g, x, w, block, stride, seq)
+            dx[...] = np.nan
+            dw[...] = np.nan
+            del out, dx, dw
+    x = rng.standard_normal((3, 64, 2, 16)).astype(np.float16)     # BSND, S = 64
+    w = rng.standard_normal((L, 2)).astype(np.float16)
+    expected = np.stack([nsa_numba.nsa_compress(np.ascontiguousarray(x[b]), w, L, S)
+                         for b in range(3)])
+    for _ in range(2):
+        out = nsa_numba.nsa_compress(x, w, L, S, layout="BSND")
+        assert np.array_equal(out, expected)
+        out[...] = np.nan
+        del out
+    assert _outputs.kept()[0] > 0
+
+
+def test_small_outputs_are_not_kept(kept):
+    x, w, g = random_problem(300, 2, 16, L, S, [100, 300], np.float32)
+    nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=[100, 300])
+    assert _outputs.kept() == (0, 0, 0)
+
+
+def test_the_budget_bounds_what_is_kept(kept):
+    x, w, g = problem()
+    size = x.nbytes
+    assert _outputs.keep_outputs(size) == 1 << 30
+    held = [nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)[0]
+            for _ in range(3)]
+    # one kept (in use), two allocated beyond the budget
+    assert _outputs.kept() == (1, size, size)
+    del held
+    assert _outputs.kept() == (1, size, 0)
+    # a new shape needs the room: the unused buffer goes
+    x2, w2, g2 = random_problem(T, N, D // 2, L, S, SEQ, np.float32)
+    dx2, _ = nsa_numba.nsa_compress_grad(g2, x2, w2, L, S, actual_seq_len=SEQ)
+    assert _outputs.kept() == (1, dx2.nbytes, dx2.nbytes)
+    # one larger than the budget is allocated, and nothing goes for it
+    x3, w3, g3 = random_problem(T, N, 2 * D, L, S, SEQ, np.float32)
+    dx3, _ = nsa_numba.nsa_compress_grad(g3, x3, w3, L, S, actual_seq_len=SEQ)
+    assert dx3.flags.owndata and _outputs.kept() == (1, dx2.nbytes, dx2.nbytes)
+    # no budget: the one in use is forgotten, and stays its caller's
+    assert _outputs.keep_outputs(0) == size
+    assert _outputs.kept() == (0, 0, 0)
+    dx, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    assert dx.flags.owndata and _outputs.kept() == (0, 0, 0)
+    assert _outputs.keep_outputs() == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", True])
+def test_a_bad_budget_is_refused(kept, bad):
+    with pytest.raises(ValueError, match=r"keep_outputs: max_bytes must be an int >= 0, "
+                                         rf"got {bad!r}"):
+        _outputs.keep_outputs(bad)
+    assert _outputs.keep_outputs() == 1 << 30
+
+
+def test_a_bad_budget_in_the_environment_is_refused_at_import():
+    env = dict(os.environ, NSA_NUMBA_KEEP_OUTPUTS_MB="lots")
+    run = subprocess.run([sys.executable, "-c", "import nsa_numba"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "NSA_NUMBA_KEEP_OUTPUTS_MB must be a whole number of MiB" in run.stderr
+    assert "'lots'" in run.stderr
+    env["NSA_NUMBA_KEEP_OUTPUTS_MB"] = "0"
+    run = subprocess.run([sys.executable, "-c", "import nsa_numba; "
+                          "print(nsa_numba.keep_outputs())"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "0"
+
+
+def test_threads_calling_at_once_get_distinct_buffers(kept):
+    x, w, g = problem()
+    expected, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    expected = expected.copy()
+    results = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        barrier.wait()
+        got = []
+        for _ in range(3):
+            got.append(nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)[0])
+        results[i] = got
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    arrays = [a for got in results for a in got]
+    assert len({address(a) for a in arrays}) == len(arrays)
+    for a in arrays:
+        assert np.array_equal(a, expected)
+
+
+def test_release_lets_go_of_unused_buffers_and_forgets_used_ones(kept):
+    x, w, g = problem()
+    in_use, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    copy = in_use.copy()
+    _outputs.release_outputs()
+    assert _outputs.kept() == (0, 0, 0)
+    again, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    assert address(again) != address(in_use)
+    assert np.array_equal(in_use, copy)
+
+
+def test_kept_calls_and_full_calls_share_the_buffers(kept):
+    # the first call goes the full way (planned), the next ones the kept way
+    _repeat.forget()
+    x, w, g = problem()
+    addresses = set()
+    for _ in range(3):
+        dx, _ = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+        addresses.add(address(dx))
+        del dx
+    assert len(addresses) == 1
