@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import _dispatch, _repeat, api
+from . import _dispatch, _outputs, _repeat, api
 from ._plan import Rules, plan_forward, plan_grad
 from ._jit import jit_parallel
 
@@ -243,19 +243,21 @@ def prepared_launches(x, w, g, out, dx, dw, l, d, seq):
             _dispatch.prepare(bwd, _dispatch.new_workspace(bwd)))
 
 
-def run_case(case, repeat, copy, use_torch, flush, read=None, split=False):
+def run_case(case, repeat, copy, use_torch, flush, read=None, split=False, allocate=False):
     """Time one case: forward, backward, ``copy`` (a ``copy_task``) and ``read`` (a
     ``read_task``, if given) in turn, each after ``flush`` (a ``CacheFlush``); with
-    ``split``, also each call's kernel launches alone (``prepared_launches``)."""
+    ``split``, also each call's kernel launches alone (``prepared_launches``). With
+    ``allocate``, the calls allocate their outputs (and drop them), as autograd has
+    them do, instead of writing into given ones."""
     x, w, g, out, seq = make_data(case)
     dx = np.empty(x.shape, x.dtype)
     dw = np.empty_like(w)
     l, d = case.block, case.stride
     copy_fn, copy_bytes = copy
+    given = ({}, {}) if allocate else (dict(out=out), dict(input_grad=dx, weight_grad=dw))
     tasks = [copy_fn,
-             lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
-             lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
-                                           input_grad=dx, weight_grad=dw)]
+             lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, **given[0]),
+             lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq, **given[1])]
     tasks += list(prepared_launches(x, w, g, out, dx, dw, l, d, seq)) if split else []
     own = input_read_task(x) if read else None
     reads = ([read[0]] if read else []) + ([own[0]] if own else [])
@@ -539,7 +541,7 @@ def main(args):
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
         results.append(run_case(case, args.repeat, copy, use_torch, flush, read,
-                                args.split))
+                                args.split, args.allocate))
     copies = [r["copy_gbs"] for r in results]
     print(f"nsa_numba bench: {threads} thread(s), copy bandwidth {min(copies):.1f}-"
           f"{max(copies):.1f} GB/s (parallel copy of {copy[1] // 2 >> 20} MiB, read + write, "
@@ -556,6 +558,10 @@ def main(args):
     if args.split:
         print("(launch: the call's kernel launches alone, planned beforehand; the rest of "
               "the call's time is its Python work after the cache flush)")
+    if args.allocate:
+        budget = _outputs.keep_outputs()
+        print("(--allocate: the calls allocate their outputs and drop them; kept outputs: "
+              + (f"up to {budget >> 20} MiB" if budget else "off") + ")")
     if args.plot:
         from llvmlite import binding
         plot_results(results, args.plot,
@@ -565,6 +571,7 @@ def main(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, copy_bytes=copy[1], repeat=args.repeat,
+                           allocate=args.allocate, kept_outputs=_outputs.keep_outputs(),
                            results=results), f, indent=2)
     return 0
 
@@ -887,6 +894,10 @@ def add_arguments(parser):
                         help="also time each call's kernel launches alone (planned "
                              "beforehand) in the same rounds: what the kernels reach "
                              "without the call's Python work")
+    parser.add_argument("--allocate", action="store_true",
+                        help="the calls allocate their outputs, as under autograd, instead "
+                             "of writing into given ones (kept outputs make that as fast: "
+                             "NSA_NUMBA_KEEP_OUTPUTS_MB=0 shows it without)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", nargs="+", metavar="JSON",
                         help="instead: print runs saved with --json (e.g. one per thread "

@@ -196,6 +196,44 @@ def test_bench_reads_each_cases_own_input(tmp_path):
     assert all(line.endswith("(input not C-contiguous)") for line in table[2:4])
 
 
+@pytest.mark.parametrize("allocate", [False, True])
+def test_bench_allocate_has_the_calls_allocate(monkeypatch, allocate):
+    seen = []
+    real = nsa_bench.api.nsa_compress, nsa_bench.api.nsa_compress_grad
+
+    def forward(*args, **kw):
+        seen.append(("forward", "out" in kw))
+        return real[0](*args, **kw)
+
+    def grad(*args, **kw):
+        seen.append(("grad", "input_grad" in kw and "weight_grad" in kw))
+        return real[1](*args, **kw)
+
+    monkeypatch.setattr(nsa_bench.api, "nsa_compress", forward)
+    monkeypatch.setattr(nsa_bench.api, "nsa_compress_grad", grad)
+    case = nsa_bench.Case(2048, 2, 64, 32, 16, 2, "bf16")
+    result = nsa_bench.run_case(case, 2, nsa_bench.copy_task(0), False,
+                                nsa_bench.CacheFlush(1 << 20), allocate=allocate)
+    assert result["forward"]["ms"] > 0 and result["backward"]["ms"] > 0
+    timed = seen[1:]                  # the first forward is make_data's, to size out
+    assert {op for op, _ in timed} == {"forward", "grad"}
+    assert all(given is not allocate for _, given in timed)
+
+
+def test_bench_allocate_command(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, NSA_NUMBA_KEEP_OUTPUTS_MB="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_numba", "bench", "--shape", "2048,2,64,32,16,2",
+         "--dtype", "bf16", "--repeat", "2", "--no-torch", "--allocate", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "(--allocate: the calls allocate their outputs and drop them; kept outputs: off)" \
+        in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["allocate"] is True and data["kept_outputs"] == 0
+
+
 def test_input_read_reads_every_word():
     x = np.random.default_rng(0).integers(0, 2**63, 3 * 32768 + 5, np.uint64)   # 4 chunks
     read, nbytes = nsa_bench.input_read_task(x)
