@@ -115,7 +115,8 @@ def keep_outputs(max_bytes=None):
     """Set the most bytes of large output buffers kept for reuse (``0``: allocate
     every output afresh) and return the previous limit; without an argument, only
     return it. Lowering it lets go of unused buffers beyond the new limit at once;
-    buffers still in use stay with their users and are forgotten."""
+    if the buffers in use alone exceed it, they are forgotten (and stay with their
+    users)."""
     global _budget
     if max_bytes is None:
         return _budget
@@ -131,13 +132,13 @@ def keep_outputs(max_bytes=None):
 
 def release_outputs():
     """Forget every kept output buffer: the unused ones go back to the system, the
-    ones in use stay their users'."""
+    ones in use stay with their users."""
     with _lock:
         _forget()
 
 
 def kept():
-    """(buffers kept, bytes kept, bytes of them in use) for ``info`` and the tests."""
+    """(buffers kept, bytes kept, bytes of them in use), for the tests."""
     with _lock:
         count = sum(len(buffers) for buffers in _kept.values())
         in_use = sum(buffers[i].nbytes for buffers in _kept.values()

@@ -254,10 +254,14 @@ def run_case(case, repeat, copy, use_torch, flush, read=None, split=False, alloc
     dw = np.empty_like(w)
     l, d = case.block, case.stride
     copy_fn, copy_bytes = copy
-    given = ({}, {}) if allocate else (dict(out=out), dict(input_grad=dx, weight_grad=dw))
-    tasks = [copy_fn,
-             lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, **given[0]),
-             lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq, **given[1])]
+    if allocate:
+        calls = [lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq),
+                 lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq)]
+    else:
+        calls = [lambda: api.nsa_compress(x, w, l, d, actual_seq_len=seq, out=out),
+                 lambda: api.nsa_compress_grad(g, x, w, l, d, actual_seq_len=seq,
+                                               input_grad=dx, weight_grad=dw)]
+    tasks = [copy_fn] + calls
     tasks += list(prepared_launches(x, w, g, out, dx, dw, l, d, seq)) if split else []
     own = input_read_task(x) if read else None
     reads = ([read[0]] if read else []) + ([own[0]] if own else [])
