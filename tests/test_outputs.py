@@ -13,6 +13,7 @@ import pytest
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
 from nsa_numba import _outputs, _repeat
+from test_layouts import to_layout
 
 L, S = 32, 16
 # an input gradient of 8 MiB: over _outputs.MIN_BYTES
@@ -86,34 +87,46 @@ def test_the_caller_gets_a_view_whose_flags_do_not_reach_the_buffer(kept):
     assert dx2.flags.writeable and dx2.shape == (T, N, D)
 
 
-def test_the_forward_output_and_every_layout_come_back_exact(kept, monkeypatch):
-    # every output kept, however small: the padded layouts, short sequences, a
-    # sequence shorter than a window, and non-strict d > l (tokens between windows)
+def test_outputs_from_nan_filled_buffers_are_exact_in_every_layout(kept, monkeypatch):
+    # every output kept, however small; each call's outputs are filled with NaN and
+    # dropped, and the next call must get the same memory and the same bits as a
+    # call into fresh outputs: TND with short sequences, one shorter than a window,
+    # non-strict d > l (tokens between windows), and the four padded layouts
     monkeypatch.setattr(_outputs, "MIN_BYTES", 0)
     rng = np.random.default_rng(3)
-    cases = [(dict(), [40, 41, 300], L, S), (dict(strict=False), [10, 40, 300], 20, 24)]
-    for kw, seq, block, stride in cases:
+    problems = []
+    for kw, seq, block, stride in [(dict(), [40, 41, 300], L, S),
+                                   (dict(strict=False), [10, 40, 300], 20, 24)]:
         x, w, g = random_problem(300, 2, 16, block, stride, seq, ml_dtypes.bfloat16, seed=4)
-        for _ in range(2):          # the second time round, from kept buffers
-            out = nsa_numba.nsa_compress(x, w, block, stride, actual_seq_len=seq, **kw)
-            assert_forward_accurate(out, x, w, block, stride, seq)
-            out[...] = np.nan
-            dx, dw = nsa_numba.nsa_compress_grad(g, x, w, block, stride, actual_seq_len=seq,
-                                                 **kw)
-            assert_grad_accurate(dx, dw, g, x, w, block, stride, seq)
-            dx[...] = np.nan
-            dw[...] = np.nan
-            del out, dx, dw
-    x = rng.standard_normal((3, 64, 2, 16)).astype(np.float16)     # BSND, S = 64
-    w = rng.standard_normal((L, 2)).astype(np.float16)
-    expected = np.stack([nsa_numba.nsa_compress(np.ascontiguousarray(x[b]), w, L, S)
-                         for b in range(3)])
-    for _ in range(2):
-        out = nsa_numba.nsa_compress(x, w, L, S, layout="BSND")
-        assert np.array_equal(out, expected)
-        out[...] = np.nan
-        del out
-    assert _outputs.kept()[0] > 0
+        problems.append((x, w, g, block, stride, dict(actual_seq_len=seq, **kw)))
+    for layout in ("BSND", "BNSD", "BSH", "SBH"):
+        x4 = rng.standard_normal((3, 64, 2, 16)).astype(np.float16)       # B, S, N, D
+        w = rng.standard_normal((L, 2)).astype(np.float16)
+        g4 = rng.standard_normal((3, 3, 2, 16)).astype(np.float16)        # 3 windows a row
+        problems.append((to_layout(x4, layout), w, to_layout(g4, layout), L, S,
+                         dict(layout=layout)))
+    for x, w, g, block, stride, kw in problems:
+        fresh = [nsa_numba.nsa_compress(x, w, block, stride, out=np.empty_like(
+                     nsa_numba.nsa_compress(x, w, block, stride, **kw)), **kw),
+                 *nsa_numba.nsa_compress_grad(g, x, w, block, stride,
+                                              input_grad=np.empty_like(x),
+                                              weight_grad=np.empty_like(w), **kw)]
+        addresses = []
+        for _ in range(3):
+            got = [nsa_numba.nsa_compress(x, w, block, stride, **kw),
+                   *nsa_numba.nsa_compress_grad(g, x, w, block, stride, **kw)]
+            for a, b in zip(got, fresh):
+                assert a.shape == b.shape and np.array_equal(a.view(np.uint16),
+                                                             b.view(np.uint16))
+            addresses.append([address(a) for a in got])
+            for a in got:
+                a[...] = np.nan
+            del got, a
+        assert addresses[0] == addresses[1] == addresses[2], kw
+        if "actual_seq_len" in kw:     # and the values are right
+            assert_forward_accurate(fresh[0], x, w, block, stride, kw["actual_seq_len"])
+            assert_grad_accurate(fresh[1], fresh[2], g, x, w, block, stride,
+                                 kw["actual_seq_len"])
 
 
 def test_small_outputs_are_not_kept(kept):
