@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nsa_numba import _outputs
 from nsa_numba import reference as ref
 from nsa_numba._jit import BOUNDSCHECK
 
@@ -43,6 +44,15 @@ DTYPE_IDS = [str(t) for t in DTYPES]
 @pytest.fixture(params=DTYPES, ids=DTYPE_IDS)
 def dtype(request):
     return request.param
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """Kept outputs (``_outputs``) at the default budget, none kept before or after."""
+    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
+    _outputs.release_outputs()
+    yield
+    _outputs.release_outputs()
 
 
 def random_problem(T, N, D, block, stride, seq, dtype, seq_type=0, seed=0):

@@ -21,15 +21,6 @@ T, N, D = 8192, 4, 64
 SEQ = [3000, 3001, 8192]      # tails no window covers (their gradient rows are zero)
 
 
-@pytest.fixture
-def kept(monkeypatch):
-    """Nothing kept before or after; the default budget."""
-    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
-    _outputs.release_outputs()
-    yield
-    _outputs.release_outputs()
-
-
 def problem(dtype=np.float32, seed=0):
     return random_problem(T, N, D, L, S, SEQ, dtype, seed=seed)
 

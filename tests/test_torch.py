@@ -8,7 +8,7 @@ import pytest
 
 import nsa_numba
 from conftest import assert_grad_accurate
-from nsa_numba import NsaError
+from nsa_numba import NsaError, _outputs
 
 if os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
     import torch  # CI: torch must be there, these tests must run
@@ -365,62 +365,50 @@ def test_tensors_cross_without_copies(dtype):
     assert a.strides == tuple(s * x.element_size() for s in x.stride())
 
 
-def test_training_steps_take_their_input_gradient_from_kept_memory(monkeypatch):
+def test_training_steps_take_their_input_gradient_from_kept_memory(kept):
     # autograd lets the backward allocate its input gradient every step; once a
     # step's gradient is dropped, the next step's comes from the same kept buffer,
     # and one still held is left alone
-    from nsa_numba import _outputs
-    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
-    _outputs.release_outputs()
     gen = torch.Generator().manual_seed(7)
     seq = [3000, 8192]
     x = torch.randn(8192, 4, 128, generator=gen).to(torch.bfloat16).requires_grad_(True)
     w = torch.randn(32, 4, generator=gen).to(torch.bfloat16).requires_grad_(True)
     assert x.numel() * 2 >= _outputs.MIN_BYTES
     held = []
-    try:
-        for step in range(4):
-            x.grad = w.grad = None
-            y = npu_nsa_compress(x, w, 32, 16, actual_seq_len=seq)
-            g = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
-            y.backward(g)
-            xn = numpy_of(x)        # the check's call writes into a given array: no kept one
-            dx, dw = nsa_numba.nsa_compress_grad(numpy_of(g), xn, numpy_of(w), 32, 16,
-                                                 actual_seq_len=seq,
-                                                 input_grad=np.empty_like(xn))
-            assert same_bits(x.grad, dx) and same_bits(w.grad, dw)
-            # steps 0-2 drop their gradient before the next one: one buffer serves them
-            # all; step 3 runs while step 2's is held, so it needs a second one
-            assert _outputs.kept()[0] == (1 if step < 3 else 2)
-            if step == 2:
-                held = [x.grad, x.grad.clone()]
-        assert torch.equal(held[0].view(torch.int16), held[1].view(torch.int16))
-    finally:
-        _outputs.release_outputs()
+    for step in range(4):
+        x.grad = w.grad = None
+        y = npu_nsa_compress(x, w, 32, 16, actual_seq_len=seq)
+        g = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+        y.backward(g)
+        xn = numpy_of(x)        # the check's call writes into a given array: no kept one
+        dx, dw = nsa_numba.nsa_compress_grad(numpy_of(g), xn, numpy_of(w), 32, 16,
+                                             actual_seq_len=seq,
+                                             input_grad=np.empty_like(xn))
+        assert same_bits(x.grad, dx) and same_bits(w.grad, dw)
+        # steps 0-2 drop their gradient before the next one: one buffer serves them
+        # all; step 3 runs while step 2's is held, so it needs a second one
+        assert _outputs.kept()[0] == (1 if step < 3 else 2)
+        if step == 2:
+            held = [x.grad, x.grad.clone()]
+    assert torch.equal(held[0].view(torch.int16), held[1].view(torch.int16))
 
 
-def test_an_input_gradient_still_held_is_not_written_over(monkeypatch):
-    from nsa_numba import _outputs
-    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
-    _outputs.release_outputs()
+def test_an_input_gradient_still_held_is_not_written_over(kept):
     gen = torch.Generator().manual_seed(8)
     seq = [8192]
     x = torch.randn(8192, 4, 128, generator=gen).to(torch.bfloat16)
     w = torch.randn(32, 4, generator=gen).to(torch.bfloat16)
     g = torch.randn(511, 4, 128, generator=gen).to(torch.bfloat16)
-    try:
-        first, _ = npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq)
-        saved, address = first.clone(), first.data_ptr()
-        second, _ = npu_nsa_compress_grad(2 * g, x, w, 32, 16, actual_seq_len=seq)
-        assert second.data_ptr() != first.data_ptr()
-        assert torch.equal(first.view(torch.int16), saved.view(torch.int16))
-        assert _outputs.kept()[0] == 2
-        del first
-        third, _ = npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq)
-        assert torch.equal(third.view(torch.int16), saved.view(torch.int16))
-        assert third.data_ptr() == address and _outputs.kept()[0] == 2   # first's buffer
-    finally:
-        _outputs.release_outputs()
+    first, _ = npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq)
+    saved, address = first.clone(), first.data_ptr()
+    second, _ = npu_nsa_compress_grad(2 * g, x, w, 32, 16, actual_seq_len=seq)
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first.view(torch.int16), saved.view(torch.int16))
+    assert _outputs.kept()[0] == 2
+    del first
+    third, _ = npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq)
+    assert torch.equal(third.view(torch.int16), saved.view(torch.int16))
+    assert third.data_ptr() == address and _outputs.kept()[0] == 2   # first's buffer
 
 
 # -- the with-cache operator ---------------------------------------------------------------
