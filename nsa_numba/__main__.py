@@ -93,6 +93,7 @@ def info(args):
     x = np.zeros((16, 1, 16), np.float32)
     nsa_numba.nsa_compress(x, np.zeros((16, 1), np.float32), 16, 16)
     cache = getattr(_kernels.compress_forward, "_cache", None)
+    kept_bytes = _outputs.keep_outputs()
     rows = [
         ("nsa_numba", nsa_numba.__version__),
         ("python", sys.version.split()[0]),
@@ -110,9 +111,9 @@ def info(args):
                         f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
         ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
-        ("kept outputs", f"up to {_outputs.keep_outputs() >> 20} MiB of allocated outputs "
-                         f"of {_outputs.MIN_BYTES >> 20} MiB or more"
-                         if _outputs.keep_outputs() else "off (every output allocated)"),
+        ("kept outputs", f"up to {kept_bytes >> 20} MiB of allocated outputs of "
+                         f"{_outputs.MIN_BYTES >> 20} MiB or more"
+                         if kept_bytes else "off (every output allocated)"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

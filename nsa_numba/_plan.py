@@ -234,7 +234,7 @@ def _check_same_dtype(rules, dtype, key, a):
 def _check_output(rules, key, a, shape, dtype, dims):
     """A caller-provided output, or a new one when the rules allow allocation."""
     if a is None and rules.allocate_outputs:
-        return _outputs.empty(tuple(shape), dtype)
+        return _outputs.empty(shape, dtype)
     check_array(rules, key, a, len(shape), dims)
     name = rules.names[key]
     if a.shape != tuple(shape):
