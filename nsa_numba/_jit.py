@@ -9,11 +9,11 @@ checking and without the disk cache, so a debugging run can never pick up (or le
 behind) unchecked machine code.
 """
 
-import os
-
 from numba import njit
 
-BOUNDSCHECK = os.environ.get("NSA_NUMBA_BOUNDSCHECK", "") not in ("", "0")
+from . import _config
+
+BOUNDSCHECK = _config.boundscheck()
 
 _OPTIONS = dict(
     cache=not BOUNDSCHECK,

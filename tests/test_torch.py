@@ -8,7 +8,7 @@ import pytest
 
 import nsa_numba
 from conftest import assert_grad_accurate
-from nsa_numba import NsaError, _outputs
+from nsa_numba import NsaError, _pool
 
 if os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
     import torch  # CI: torch must be there, these tests must run
@@ -373,7 +373,7 @@ def test_training_steps_take_their_input_gradient_from_kept_memory(kept):
     seq = [3000, 8192]
     x = torch.randn(8192, 4, 128, generator=gen).to(torch.bfloat16).requires_grad_(True)
     w = torch.randn(32, 4, generator=gen).to(torch.bfloat16).requires_grad_(True)
-    assert x.numel() * 2 >= _outputs.MIN_BYTES
+    assert x.numel() * 2 >= _pool.MIN_BYTES
     held = []
     for step in range(4):
         x.grad = w.grad = None
@@ -387,7 +387,7 @@ def test_training_steps_take_their_input_gradient_from_kept_memory(kept):
         assert same_bits(x.grad, dx) and same_bits(w.grad, dw)
         # steps 0-2 drop their gradient before the next one: one buffer serves them
         # all; step 3 runs while step 2's is held, so it needs a second one
-        assert _outputs.kept()[0] == (1 if step < 3 else 2)
+        assert _pool.stats()[0] == (1 if step < 3 else 2)
         if step == 2:
             held = [x.grad, x.grad.clone()]
     assert torch.equal(held[0].view(torch.int16), held[1].view(torch.int16))
@@ -404,11 +404,11 @@ def test_an_input_gradient_still_held_is_not_written_over(kept):
     second, _ = npu_nsa_compress_grad(2 * g, x, w, 32, 16, actual_seq_len=seq)
     assert second.data_ptr() != first.data_ptr()
     assert torch.equal(first.view(torch.int16), saved.view(torch.int16))
-    assert _outputs.kept()[0] == 2
+    assert _pool.stats()[0] == 2
     del first
     third, _ = npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq)
     assert torch.equal(third.view(torch.int16), saved.view(torch.int16))
-    assert third.data_ptr() == address and _outputs.kept()[0] == 2   # first's buffer
+    assert third.data_ptr() == address and _pool.stats()[0] == 2   # first's buffer
 
 
 # -- the with-cache operator ---------------------------------------------------------------
