@@ -12,10 +12,11 @@ _threading.configure()  # before anything can start Numba's thread pool
 
 from . import _firstrun  # noqa: E402
 from ._errors import NsaError  # noqa: E402
-from ._firstrun import compile_messages, warmup  # noqa: E402
-from ._outputs import keep_outputs, release_outputs  # noqa: E402
+from ._firstrun import compile_messages  # noqa: E402
+from ._pool import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
 from .api import nsa_compress, nsa_compress_grad, nsa_compress_infer  # noqa: E402
+from ._warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -87,13 +87,13 @@ def info(args):
     import numba
 
     import nsa_numba
-    from nsa_numba import _halfprec, _kernels, _outputs, _simd, _target, _threading
+    from nsa_numba import _halfprec, _kernels, _pool, _simd, _target, _threading
 
     # run one tiny call so Numba picks its threading layer
     x = np.zeros((16, 1, 16), np.float32)
     nsa_numba.nsa_compress(x, np.zeros((16, 1), np.float32), 16, 16)
     cache = getattr(_kernels.compress_forward, "_cache", None)
-    kept_bytes = _outputs.keep_outputs()
+    kept_bytes = _pool.keep_outputs()
     rows = [
         ("nsa_numba", nsa_numba.__version__),
         ("python", sys.version.split()[0]),
@@ -112,7 +112,7 @@ def info(args):
         ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
         ("kept outputs", f"up to {kept_bytes >> 20} MiB of allocated outputs of "
-                         f"{_outputs.MIN_BYTES >> 20} MiB or more"
+                         f"{_pool.MIN_BYTES >> 20} MiB or more"
                          if kept_bytes else "off (every output allocated)"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -129,9 +129,9 @@ def _bench(args):
 
 
 def _warmup(args):
-    from . import _firstrun
+    from . import _firstrun, _warmup
     _firstrun.compile_messages(False)   # the steps say what is compiling
-    _firstrun.warmup(args.dtype or _firstrun.DTYPES, strided=args.strided)
+    _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided)
     return 0
 
 

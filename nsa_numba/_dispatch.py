@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from . import _firstrun, _kernels, _simd, _threading
+from . import _kernels, _simd, _threading
 from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
 
 
@@ -92,10 +92,8 @@ def carve(plan, workspace):
 
 #: a Python thread keeps the scratch of its runs given no workspace, up to this size,
 #: for its next ones: allocating and carving a new workspace is a handful of NumPy
-#: steps, which after a cache flush cost a call 50-80 us (T = 256, forward 380-398 us
-#: against 307-318 us kept, backward 463-473 against 395-420; T = 4096 forward 60-70
-#: us less; 2 threads, medians of 31 in one process, two runs). The memory itself
-#: comes back from the allocator without page faults either way.
+#: steps, which cost a small call tens of microseconds after a cache flush
+#: (docs/performance.md, "Figures behind the code's choices").
 KEPT_SCRATCH_BYTES = 16 << 20
 
 
@@ -148,8 +146,8 @@ def simd_fits(plan, x, out):
     """Whether ``compress_forward_simd`` can run this forward on storage views ``x``
     and ``out``: each token in at most two windows (l <= 2d), D a multiple of the
     vector width, unit-stride rows in a dtype it converts, an input laid out in C
-    order (its software prefetch needs that; without it the kernel measured 1.3x the
-    one-token kernel's time), and compiled code (under NUMBA_DISABLE_JIT its vector
+    order (its software prefetch needs that; without it the kernel was slower than the
+    one-token kernel), and compiled code (under NUMBA_DISABLE_JIT its vector
     operations do not exist)."""
     return (not numba.config.DISABLE_JIT and plan.block <= 2 * plan.stride
             and plan.D % _simd.WIDTH == 0 and x.flags.c_contiguous
@@ -165,10 +163,9 @@ def backward_vector(plan, x, ig):
 
 
 #: token rows of up to this many bytes go to compress_forward_simd where it fits, even
-#: when they are long enough for GROUP tokens per pass (N * D >= GROUPED_MIN_ROW).
-#: Measured against the GROUP kernel (2 threads, cold caches): 0.85-0.93x the time for
-#: 4 KiB rows (bfloat16 and float16, N = 16, D = 128), 1.0-1.6x for 8 KiB rows (float32
-#: N = 16, bfloat16 N = 32) and 1.35x for 16 KiB rows (bfloat16 N = 64).
+#: when they are long enough for GROUP tokens per pass (N * D >= GROUPED_MIN_ROW): up
+#: to there it beat the GROUP kernel, beyond it lost (docs/performance.md, "Figures
+#: behind the code's choices").
 SIMD_ROW_BYTES = 4096
 
 
@@ -209,7 +206,6 @@ def launch(recipe, views, scratch, threads=None):
     (partials, rows), on at most ``threads`` threads (None: Numba's count for the
     calling thread)."""
     useful = recipe.useful if threads is None else min(threads, recipe.useful)
-    _firstrun.calling = recipe.dtype      # named if a kernel compiles now
     partials, rows = scratch
     if recipe.op == "forward":
         x, w, out = views
@@ -271,7 +267,6 @@ def run_again(kept, threads, *views):
     nothing written, when an output may share memory with an input (the caller then
     goes the full way). ``threads`` as in ``launch``."""
     recipe = kept.recipe
-    _firstrun.calling = recipe.dtype      # named if an entry compiles now
     state = _kept
     partials, rows = kept_scratch(recipe, kept.scratch_key)
     scratch = (rows,) if recipe.op == "forward" else (partials, rows)
@@ -324,7 +319,6 @@ def prepare(plan, workspace, threads=None):
 def _prepare_infer(plan, workspace, threads):
     """The with-cache operator: one kernel launch over the writing sequences."""
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
-    _firstrun.calling = plan.dtype      # named if a kernel compiles now
     if not plan.writers:
         return None
     if workspace is None:

@@ -10,26 +10,24 @@ that starts compiling (the helpers a kernel inlines compile inside it and are no
 named). ``NSA_NUMBA_QUIET=1`` in the environment, or ``compile_messages(False)``,
 turns the lines off.
 
-:func:`warmup` (``python -m nsa_numba warmup``) runs small problems that reach
-every kernel for the chosen dtypes (and, on request, common strided views), so that
-an image or a CI cache can carry the compiled code.
+``_warmup`` compiles the kernels ahead (``python -m nsa_numba warmup``).
 """
 
-import os
 import sys
-import time
 
-import numpy as np
 from numba.core import event
+
+from . import _config
 
 _PACKAGE = __name__.rsplit(".", 1)[0]
 
-_enabled = os.environ.get("NSA_NUMBA_QUIET", "") in ("", "0")
+_enabled = not _config.quiet()
 _said_where = False
 _said_helpers = False
-#: the dtype of the call being run (``_dispatch`` sets it before each launch),
-#: which the kernels see only as their storage types
-calling = None
+#: the dtypes the kernels see arrays of each kind as (``_plan.STORAGE``), by the
+#: Numba name of that storage type: how a compile message names the call's dtype
+_KIND_OF_STORAGE = {"uint16": "float16", "int16": "bfloat16", "float32": "float32",
+                    "float64": "float64"}
 
 
 def compile_messages(enabled):
@@ -59,17 +57,28 @@ class _Listener(event.Listener):
             return
         func = getattr(ev.data["dispatcher"], "py_func", None)
         if (getattr(func, "__module__", None) or "").startswith(_PACKAGE + "."):
-            _announce(func.__name__)
+            _announce(func.__name__, _dtype_of(ev.data.get("args", ())))
 
     def on_end(self, ev):
         self.depth -= 1
 
 
-def _announce(name):
-    """One line for kernel ``name`` (the planning helpers: one line in all)."""
+def _dtype_of(args):
+    """The dtype of the call a kernel compiles for: that of its first array argument
+    (the kernels take every array of a call in one storage type), or None."""
+    for arg in args:
+        dtype = getattr(arg, "dtype", None)
+        if getattr(arg, "ndim", 0) and dtype is not None:
+            return _KIND_OF_STORAGE.get(str(dtype))
+    return None
+
+
+def _announce(name, dtype):
+    """One line for kernel ``name`` compiling for ``dtype`` (the planning helpers: one
+    line in all)."""
     global _said_where, _said_helpers
     if name.startswith(("compress_", "reduce_")):
-        what = f"the kernel {name}" + (f" for {calling}" if calling is not None else "")
+        what = f"the kernel {name}" + (f" for {dtype}" if dtype is not None else "")
     elif _said_helpers:
         return
     else:
@@ -91,102 +100,3 @@ def install():
     if not getattr(install, "done", False):
         event.register("numba:compile", _Listener())
         install.done = True
-
-
-# -- warmup ----------------------------------------------------------------------
-
-#: the dtypes ``warmup`` knows, by their short names
-DTYPES = ("bf16", "fp16", "fp32", "fp64")
-
-
-def _numpy_dtype(name):
-    if name == "bf16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}[name])
-
-
-#: what ``warmup`` can compile, by operator
-OPS = ("forward", "backward", "decoding")
-#: the inputs ``warmup(strided=True)`` adds, with contiguous weights, gradients and
-#: outputs: views users often pass (each a variant of its own for the kernels), every
-#: other element of the last axis and tokens in reverse order
-_VIEWS = {"every-other-element": lambda a: np.repeat(a, 2, axis=-1)[..., ::2],
-          "reversed-tokens": lambda a: np.ascontiguousarray(a[::-1])[::-1]}
-
-
-def _steps(dtype, strided):
-    """(op, label, function) triples that between them reach every kernel for
-    ``dtype`` on C-contiguous arrays (and with ``strided``, on the views of _VIEWS)."""
-    from . import _simd, api
-    from ._seqlens import window_counts
-    from ._threading import threads
-
-    rng = np.random.default_rng(0)
-
-    def data(*shape):
-        return rng.standard_normal(shape).astype(dtype)
-
-    def problem(T, N, D, view):
-        seq = [0, T // 3, T]
-        windows = int(window_counts(np.diff(seq), 32, 16).sum())
-        return view(data(T, N, D)), data(32, N), data(windows, N, D), seq
-
-    # each call twice: the second, like a training loop's next step, runs through the
-    # kernel's entry for calls that come again (``_repeat``), which compiles apart
-    def forward(T, N, D, view=lambda a: a):
-        x, w, _, seq = problem(T, N, D, view)
-        for _ in range(2):
-            api.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
-
-    def backward(T, N, D, view=lambda a: a):
-        x, w, g, seq = problem(T, N, D, view)
-        for _ in range(2):
-            api.nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq, strict=False)
-
-    def decode(writers, parallel):
-        x, w = data(4, 64, 2, 64), data(32, 2)          # 4 pages of 64 tokens
-        cache = np.zeros((writers, 2, 64), dtype)
-        table = (np.arange(writers, dtype=np.int32) % 4).reshape(writers, 1)
-        with threads(2 if parallel else 1):
-            api.nsa_compress_infer(x, w, np.arange(writers), 32, 16, 64,
-                                   block_table=table, actual_seq_len=[48] * writers,
-                                   cache=cache, strict=False)
-
-    width = _simd.WIDTH
-    steps = [
-        ("forward", "forward, vector rows", lambda: forward(96, 2, 2 * width)),
-        ("forward", "forward, other rows", lambda: forward(96, 2, 20)),
-        ("forward", "forward, long rows", lambda: forward(64, 32, 256)),
-        ("backward", "backward, vector rows", lambda: backward(96, 2, 2 * width)),
-        ("decoding", "decoding step, one thread", lambda: decode(2, False)),
-        ("decoding", "decoding step, threads", lambda: decode(64, True)),
-    ]
-    if strided:
-        for name, view in _VIEWS.items():
-            steps += [("forward", f"forward, {name}", lambda v=view: forward(96, 2, 64, v)),
-                      ("backward", f"backward, {name}",
-                       lambda v=view: backward(96, 2, 64, v))]
-    return steps
-
-
-def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout):
-    """Compile (or load from the cache) the kernels of ``ops`` (see ``OPS``) for
-    ``dtypes`` (short names, see ``DTYPES``) on contiguous arrays, and with ``strided``
-    on common views too; prints each step and its time to ``out`` and returns the
-    total seconds."""
-    start = time.perf_counter()
-    where = cache_dir()
-    print(f"nsa_numba warmup: {', '.join(dtypes)}; cache "
-          f"{where or 'off (nothing will be kept)'}", file=out, flush=True)
-    plan = [(name, label, fn) for name in dtypes
-            for op, label, fn in _steps(_numpy_dtype(name), strided) if op in ops]
-    for i, (name, label, fn) in enumerate(plan, 1):
-        t = time.perf_counter()
-        fn()
-        step = f"[{i}/{len(plan)}]"
-        print(f"  {step:<8}{name:<6}{label:<36}{time.perf_counter() - t:6.1f} s", file=out,
-              flush=True)
-    total = time.perf_counter() - start
-    print(f"done in {total:.1f} s", file=out, flush=True)
-    return total

@@ -41,16 +41,18 @@ from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
 from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload,
                     vload_row_short, vload_row_split, vload_short, vmul_add, vstore, vstore_row,
                     vstore_row_split, vzeros, vzeros_short)
+from ._tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline (and _target, whose choices shape them);
 # tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "6c0f8d3668b474b5",
-    "_jit.py": "73935d928af2f0a8",
+    "_jit.py": "5e2d2922a8cf1971",
     "_prefetch.py": "4919cebb64fefdaf",
     "_simd.py": "4ad53ac039e6c644",
     "_target.py": "64343d6f781c7228",
+    "_tiles.py": "84348cd636a988e0",
 }
 
 #: tokens per pass over D in compress_forward's common paths
@@ -93,11 +95,6 @@ def weight_table(w):
 #: vector pairs)
 VECTOR_DTYPES = tuple(from_dtype(t) for t in STORAGE)
 
-# columns of the tile table (see _plan.tile_schedule)
-BATCH, S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(10)
-N_TILE_COLUMNS = 10
-
-
 @jit
 def _decode_token(x, b, t, n, dst):
     """dst[:] = x[b, t, n, :] widened (indexed in place: see the module docstring)."""
@@ -116,22 +113,6 @@ def _zero_slot(ring, slot):
 def _covering(rel, block, stride, lo, hi):
     """Numbers of the windows (clipped to lo..hi) that contain sequence position rel."""
     return max(lo, (rel - block) // stride + 1), min(hi, rel // stride)
-
-
-def forward_scratch_elements(N, D, block, stride):
-    """Scratch one thread of ``compress_forward`` needs, in accumulator elements."""
-    return ring_slots(block, stride) * N * D + D
-
-
-def backward_scratch_elements(N, D, block, stride):
-    """Scratch one thread of ``compress_backward`` needs, in accumulator elements."""
-    return (ring_slots(block, stride) + 1 + block) * N * D + 2 * D
-
-
-@jit
-def ring_slots(block, stride):
-    """Most windows that can contain one token: ceil(l / d)."""
-    return (block + stride - 1) // stride
 
 
 @jit

@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from . import _outputs, _seqlens
+from . import _pool, _seqlens
 from ._errors import invalid, missing
-from . import _kernels
-from ._kernels import BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO
 from ._jit import BOUNDSCHECK, jit
 from ._layouts import LAYOUTS, c_carrier, word_view
+from ._tiles import (BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO,
+                     backward_scratch_elements, forward_scratch_elements)
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -64,12 +64,12 @@ from ._layouts import LAYOUTS, c_carrier, word_view
 TILE_ELEMENTS = 1 << 16
 #: and at least this many window lengths of tokens per tile: forward, backward. A
 #: backward tile also zeroes and folds ``l * N * D`` weight-gradient sums, which costs
-#: about 2/TILE_BLOCKS of its input streaming (measured: 32 was 10-20% faster than 8;
-#: the forward has no such cost and was slower with longer tiles, for N = 4)
+#: about 2/TILE_BLOCKS of its input streaming; the forward has no such cost and was
+#: slower with longer tiles (docs/performance.md, "Figures behind the code's choices")
 TILE_BLOCKS = {"forward": 8, "grad": 32}
 
 #: the supported dtypes, by name. bfloat16 arrays come from ml_dtypes, which the
-#: library does not import (ml_dtypes 0.7.0 takes about 0.9 s to import): a
+#: library does not import (it takes most of a second to import): a
 #: bfloat16 array exists only once its creator has imported it, and is recognised
 #: by its dtype's name and size.
 FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = "float16", "bfloat16", "float32", "float64"
@@ -82,9 +82,9 @@ ACCUMULATOR = {FLOAT16: np.dtype(np.float32), BFLOAT16: np.dtype(np.float32),
 
 
 #: a run starts its scratch at this byte boundary of the workspace it is given: the
-#: kernels' 32-byte vector stores to the scratch then never straddle a cache line.
-#: NumPy returns buffers at 16 or 32 bytes past one; at 16 the forward took 1.07-1.22x
-#: the time (T = 32768, N = 4, bf16; A/B in one process) and the backward 1.01-1.08x.
+#: kernels' vector stores to the scratch then never straddle a cache line (NumPy
+#: returns buffers 16 or 32 bytes past one, which slowed both kernels: docs/
+#: performance.md, "Figures behind the code's choices").
 WORKSPACE_ALIGN = 64
 
 #: roles the kernels only read, and roles they write
@@ -232,9 +232,10 @@ def _check_same_dtype(rules, dtype, key, a):
 
 
 def _check_output(rules, key, a, shape, dtype, dims):
-    """A caller-provided output, or a new one when the rules allow allocation."""
+    """A caller-provided output, checked (None stays None when the rules allocate
+    missing outputs: ``_allocate`` does, once every check has passed)."""
     if a is None and rules.allocate_outputs:
-        return _outputs.empty(shape, dtype)
+        return None
     check_array(rules, key, a, len(shape), dims)
     name = rules.names[key]
     if a.shape != tuple(shape):
@@ -243,6 +244,11 @@ def _check_output(rules, key, a, shape, dtype, dims):
     if not a.flags.writeable:
         raise invalid(rules.op, f"{name} must be writable, got a read-only array")
     return a
+
+
+def _allocate(a, shape, dtype):
+    """A missing output, allocated (from the output pool) after every check passed."""
+    return _pool.empty(shape, dtype) if a is None else a
 
 
 def overlaps(a, b):
@@ -364,10 +370,10 @@ _tables_lock = threading.Lock()
 def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_type):
     """(Sequences, tile table) of a problem.
 
-    A model calls the operators once per layer with the same sequence lengths.
-    Planning a call that finds the caches cold (after a layer's other work) took
-    0.25-0.28 ms, and 0.21-0.23 ms when the tables are kept (T = 2048, N = 4, four
-    sequences). So the last TABLES_KEPT geometries keep theirs, keyed on everything
+    A model calls the operators once per layer with the same sequence lengths, and
+    building the tables is a measurable part of planning a call that finds the
+    caches cold (docs/performance.md, "Figures behind the code's choices"). So the
+    last TABLES_KEPT geometries keep theirs, keyed on everything
     the tables depend on: the op (the tile sizes differ), the layout kind, the
     sequence values as checked integers and how to read them, B, S, l, d, N and D.
     Values that fail a check raise before anything is kept, so a kept entry only
@@ -476,7 +482,7 @@ def windows_per_tile(op, block, stride, N, D):
 def tile_schedule(op, seqs, block, stride, N, D):
     """The tile table described in the module docstring, one row per tile.
 
-    Columns (named in ``_kernels``): BATCH the batch row, S0 sequence start token
+    Columns (named in ``_tiles``): BATCH the batch row, S0 sequence start token
     (within the row), NW windows in the sequence, KW0 output row of its first
     window, I0..I1 the tile's windows (sequence-local), TOK_LO..TOK_HI the tokens
     whose input gradient it owns, G0..G1 the windows that touch those tokens.
@@ -555,7 +561,8 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     out = _check_output(rules, "out", out, layout.shape(B, seqs.out_rows, N, D), x.dtype,
                         _window_dims(rules, layout))
     _check_no_overlap(rules, given, {"input": x, "weight": weight})
-    scratch = _kernels.forward_scratch_elements(N, D, block, stride)
+    out = _allocate(out, layout.shape(B, seqs.out_rows, N, D), x.dtype)
+    scratch = forward_scratch_elements(N, D, block, stride)
     return Plan("forward", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
                 tiles, 0, scratch_slots(), _round16(scratch),
                 {"input": x, "weight": weight, "out": out},
@@ -587,7 +594,9 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
     _check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
-    scratch = _kernels.backward_scratch_elements(N, D, block, stride)
+    input_grad = _allocate(input_grad, x.shape, x.dtype)
+    weight_grad = _allocate(weight_grad, weight.shape, x.dtype)
+    scratch = backward_scratch_elements(N, D, block, stride)
     return Plan("grad", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
                 tiles, _round16(tiles.shape[0] * N * block), scratch_slots(),
                 _round16(scratch),

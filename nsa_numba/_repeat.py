@@ -22,9 +22,8 @@ are kept only where the kernels take views of the caller's memory that are
 reshapes of it: C-contiguous arrays (and a writable weight), checked against the
 plan's storage views when an entry is made.
 
-After bench's cache flush, a forward call of T = 256, N = 4, D = 128 in bf16 (mostly
-Python work) took 0.53 ms before this module and 0.26 ms with it, one thread
-(docs/performance.md, "What bounds each kernel").
+This halves the cost of a small call after a cache flush (docs/performance.md,
+"Figures behind the code's choices").
 """
 
 import os
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _dispatch, _outputs
+from . import _dispatch, _pool
 from ._plan import plan_forward, plan_grad
 
 #: most signatures kept, and most bytes of tile tables they may hold (the oldest go
@@ -85,7 +84,8 @@ def _output(a):
 
 # The signatures are written out in full, not built in loops: after a cache flush
 # every bytecode a call runs is a miss, and the loops, list appends and helper
-# calls of a generic version cost a call 10-20 us more (`bench --overhead`).
+# calls of a generic version cost a call more (`bench --overhead`; docs/
+# performance.md, "Figures behind the code's choices").
 
 def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
     """The signature of a forward call, or None (the call goes the full way). The
@@ -128,7 +128,7 @@ def compress(rules, args, threads=None, known=True):
     entry = _entries.get(signature)         # None is never a key
     if entry is not None:
         if out is None:
-            out = _outputs.empty(entry.allocate[2], x.dtype)
+            out = _pool.empty(entry.allocate[2], x.dtype)
         storage = entry.storage
         if _dispatch.run_again(entry.again, threads, x.view(storage), weight.view(storage),
                                out.view(storage)):
@@ -146,9 +146,9 @@ def compress_grad(rules, args, threads=None, known=True):
     entry = _entries.get(signature)
     if entry is not None:
         if input_grad is None:
-            input_grad = _outputs.empty(entry.allocate[3], x.dtype)
+            input_grad = _pool.empty(entry.allocate[3], x.dtype)
         if weight_grad is None:
-            weight_grad = _outputs.empty(entry.allocate[4], x.dtype)
+            weight_grad = _pool.empty(entry.allocate[4], x.dtype)
         storage = entry.storage
         if _dispatch.run_again(entry.again, threads, g.view(storage), x.view(storage),
                                weight.view(storage), input_grad.view(storage),

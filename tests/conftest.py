@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nsa_numba import _outputs
+from nsa_numba import _pool
 from nsa_numba import reference as ref
 from nsa_numba._jit import BOUNDSCHECK
 
@@ -26,7 +26,7 @@ def pytest_configure(config):
         return
     env = dict(os.environ, NSA_NUMBA_QUIET="1")
     procs = [subprocess.Popen(
-        [sys.executable, "-c", "import io, nsa_numba._firstrun as f; "
+        [sys.executable, "-c", "import io, nsa_numba._warmup as f; "
                                f"f.warmup(ops={ops}, strided=True, out=io.StringIO())"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for ops in WARMUP_PARTS]
@@ -48,11 +48,11 @@ def dtype(request):
 
 @pytest.fixture
 def kept(monkeypatch):
-    """Kept outputs (``_outputs``) at the default budget, none kept before or after."""
-    monkeypatch.setattr(_outputs, "_budget", 1 << 30)
-    _outputs.release_outputs()
+    """The output pool (``_pool``) at the default budget, empty before and after."""
+    monkeypatch.setattr(_pool, "_budget", 1 << 30)
+    _pool.release_outputs()
     yield
-    _outputs.release_outputs()
+    _pool.release_outputs()
 
 
 def random_problem(T, N, D, block, stride, seq, dtype, seq_type=0, seed=0):

@@ -14,7 +14,7 @@ import pytest
 SCRIPT = r"""
 import sys
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels
+from nsa_numba import _dispatch, _jit, _kernels, _tiles
 from nsa_numba._plan import Rules, plan_forward
 
 assert _jit.BOUNDSCHECK
@@ -23,8 +23,8 @@ x = np.ones((64, 2, D), np.float32)
 w = np.ones((32, 2), np.float32)
 plan = plan_forward(Rules("test"), x, w, 32, 16, None, 0, "TND", None)
 tiles = plan.tiles.copy()
-tiles[:, _kernels.NW] += 5          # five windows beyond the input's last token
-tiles[:, _kernels.I1] += 5
+tiles[:, _tiles.NW] += 5          # five windows beyond the input's last token
+tiles[:, _tiles.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
     getattr(_kernels, sys.argv[1])(plan.storage("input"), plan.storage("weight"),
@@ -51,7 +51,7 @@ def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
 
 BACKWARD_SCRIPT = r"""
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels
+from nsa_numba import _dispatch, _jit, _kernels, _tiles
 from nsa_numba._plan import Rules, plan_grad
 
 assert _jit.BOUNDSCHECK
@@ -65,10 +65,10 @@ partials, scratch = _dispatch.carve(plan, workspace)
 # which go through the vectors, and an input cut at token 40, so that the first and
 # only reads out of bounds are the vector loads of tokens 48-63
 tiles = plan.tiles[:1].copy()
-tiles[0, _kernels.TOK_LO] = 32
-tiles[0, _kernels.TOK_HI] = 64
-tiles[0, _kernels.G0] = 1
-tiles[0, _kernels.G1] = 4
+tiles[0, _tiles.TOK_LO] = 32
+tiles[0, _tiles.TOK_HI] = 64
+tiles[0, _tiles.G0] = 1
+tiles[0, _tiles.G1] = 4
 short = plan.storage("input")[:, :40]
 try:
     _kernels.compress_backward(plan.storage("grad"), short, plan.storage("weight"),
