@@ -237,7 +237,7 @@ def test_bench_allocate_command(tmp_path):
 def test_input_read_reads_every_word():
     x = np.random.default_rng(0).integers(0, 2**63, 3 * 32768 + 5, np.uint64)   # 4 chunks
     read, nbytes = nsa_bench.input_read_task(x)
-    chunk = nsa_bench._INPUT_READ_CHUNK // 8
+    chunk = nsa_bench.harness._INPUT_READ_CHUNK // 8
     parts = [np.bitwise_xor.reduce(x[i:i + chunk]) for i in range(0, x.size, chunk)]
     assert nbytes == x.nbytes and read() == np.sum(parts, dtype=np.uint64)
     assert nsa_bench.input_read_task(x[::2]) is None

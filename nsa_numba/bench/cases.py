@@ -1,0 +1,123 @@
+"""The cases ``bench``, the asv suite and the tests run: the training shapes, the
+decoding steps, and the data each is run on."""
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import api
+
+
+#: (T, N, D, l, d, number of equal sequences)
+DEFAULT_SHAPES = [
+    (32768, 4, 128, 32, 16, 4),
+    (16384, 16, 128, 64, 32, 4),
+    (8192, 64, 128, 32, 16, 8),
+]
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def numpy_dtype(name):
+    """The numpy dtype of a ``--dtype`` choice (bfloat16 through ml_dtypes)."""
+    if name == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPES[name])
+
+
+def sequence_ends(T, count):
+    """Cumulative ends of ``count`` near-equal sequences covering T tokens."""
+    return np.linspace(0, T, count + 1).round().astype(np.int64)[1:].tolist()
+
+
+#: the non-contiguous input views ``--strided`` adds (see make_data)
+NON_CONTIGUOUS = ("sliced", "strided")
+
+
+@dataclass
+class Case:
+    T: int
+    N: int
+    D: int
+    block: int
+    stride: int
+    sequences: int
+    dtype: str
+    view: str = "contiguous"   # or one of NON_CONTIGUOUS
+
+    @property
+    def label(self):
+        view = "" if self.view == "contiguous" else f" {self.view}"
+        return (f"T={self.T} N={self.N} D={self.D} l={self.block} d={self.stride} "
+                f"seqs={self.sequences} {self.dtype}{view}")
+
+
+def make_data(case, seed=0):
+    dtype = numpy_dtype(case.dtype)
+    rng = np.random.default_rng(seed)
+    seq = sequence_ends(case.T, case.sequences)
+    shape = (case.T, case.N, case.D)
+    if case.view == "sliced":      # heads N..2N of a buffer of 2N heads
+        x = rng.standard_normal((case.T, 2 * case.N, case.D)).astype(dtype)[:, case.N:]
+    elif case.view == "strided":   # every other element of a buffer twice as wide
+        x = rng.standard_normal(shape[:2] + (2 * case.D,)).astype(dtype)[..., ::2]
+    else:
+        x = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal((case.block, case.N)).astype(dtype)
+    out = api.nsa_compress(x, w, case.block, case.stride, actual_seq_len=seq)
+    g = rng.standard_normal(out.shape).astype(dtype)
+    return x, w, g, out, seq
+
+
+def parse_shape(text):
+    """``T,N,D,l,d,seqs`` as a tuple of 6 positive integers (argparse type)."""
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 6 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--shape takes T,N,D,l,d,seqs (6 positive integers), got {text!r}")
+    return parts
+
+
+#: the tiny problem of ``--overhead``: (T, N, D, l, d)
+OVERHEAD_SHAPE = (64, 1, 16, 16, 16)
+
+
+#: ``--infer`` cases: name -> (sequences B, of which writing, heads N); D = 128,
+#: l = 32, d = 16, page 128
+INFER_CASES = {
+    "typical step": (32, 2, 8),
+    "one sequence": (1, 1, 8),
+    "large step": (256, 256, 64),
+}
+
+
+INFER_WINDOW = dict(D=128, block=32, stride=16, page=128)
+
+
+def infer_problem(B, writers, N, dtype, D=128, block=32, stride=16, page=128, seed=0):
+    """A paged decoding step: B sequences of 32 to 255 tokens, ``writers`` of them on a
+    window boundary, pages shuffled over the pool, the cache as small as the NPU
+    allows. Every page holds the same random values (making a pool of up to 0.5 GiB
+    of distinct ones would take longer than the benchmark). -> (x, w, slot_mapping,
+    block_table, actual_seq_len, cache)."""
+    dtype = numpy_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    on = rng.permutation(B) < writers
+    windows = rng.integers(0, (2 * page - block) // stride, B)
+    lengths = block + stride * windows + np.where(on, 0, rng.integers(1, stride, B))
+    per_seq = -(-int(lengths.max()) // page)
+    pages = B * per_seq
+    x = np.empty((pages, page, N, D), dtype)
+    x[...] = rng.standard_normal((page, N, D), np.float32).astype(dtype)
+    w = rng.standard_normal((block, N), np.float32).astype(dtype)
+    table = rng.permutation(pages).reshape(B, per_seq).astype(np.int32)
+    rows = max(B, (pages * page - block) // stride + 1)
+    cache = np.zeros((rows, N, D), dtype)
+    slots = rng.permutation(rows)[:B].astype(np.int32)
+    return x, w, slots, table, lengths, cache
