@@ -66,8 +66,8 @@ def as_int_vector(op, name, values):
                           f"got {type(values).__name__}")
     if set(map(type, values)) <= _EXACT_INT_TYPES:
         # plain ints (the usual case) or NumPy integers that all fit in int64, converted
-        # in one C loop: the checked loop below costs about half a microsecond per
-        # value (2048 sequences: 1 ms a call)
+        # in one C loop: the checked loop below costs per value, which thousands of
+        # sequences make a millisecond a call
         try:
             return np.array(values, dtype=np.int64)
         except OverflowError:
@@ -139,8 +139,9 @@ def packed_tables(op, values, kind, total_tokens, block, stride, names):
     (``rows[b]``: sequence b's first window; ``rows[-1]``: T').
 
     A call often follows other work that has pushed this module's code and data out
-    of the CPU caches; the NumPy steps, a dozen small array operations, then took
-    about 0.25 ms, the compiled pass under 0.1 ms. Values the pass rejects go to
+    of the CPU caches, and then a dozen small NumPy steps cost several times the
+    compiled pass (docs/performance.md, "Figures behind the code's choices"). Values
+    the pass rejects go to
     ``sequence_offsets``, whose error names the rule they break.
     """
     ok, offsets, lengths, counts, rows = _packed_tables(values, kind, total_tokens, block,

@@ -76,9 +76,9 @@ def launch(kernel, threads, *args):
     """Run a parallel kernel on at most ``threads`` threads (``Plan.threads_useful``);
     serialised only when the layer is workqueue (or unknown).
 
-    Waking a second thread for a kernel with little work only costs: a call with a
-    few microseconds of work took 41 us on two threads and 23 us on one (T = 64,
-    N = 1, D = 16, two sequences). Results do not depend on the thread count.
+    Waking a second thread for a kernel with little work only costs (docs/
+    performance.md, "Figures behind the code's choices"). Results do not depend on
+    the thread count.
     """
     if concurrent or _layer_is_concurrent():
         return call_with_threads(threads, kernel, *args)
@@ -105,8 +105,8 @@ _count_functions = None     # (get, set), once the layer runs
 def _thread_count_functions():
     """(get, set) of the calling thread's Numba thread count: once the layer runs, its
     own C functions, which Numba's public ones call after taking its start-up locks
-    (one of them a process-shared lock) on every call; 55 us more per call after a
-    cache flush. Before that, and should Numba no longer have them, the public ones.
+    (one of them a process-shared lock) on every call, a cost measured per call after
+    a cache flush (docs/performance.md, "Figures behind the code's choices"). Before that, and should Numba no longer have them, the public ones.
     Its caller reads ``_count_functions`` first, once set."""
     global _count_functions
     if _nb_parallel._is_initialized:

@@ -268,7 +268,8 @@ _nsa_compress_grad.register_autograd(lambda ctx, grads: _grad_backward(ctx, *gra
 
 
 # (forward takes ctx itself: with a separate setup_context, Function.apply binds the
-# arguments through inspect.signature, which cost about 30 us a call)
+# arguments through inspect.signature on every call, a cost of its own: docs/
+# performance.md, "Figures behind the code's choices")
 class _CompressFunction(torch.autograd.Function):
     """The eager path of ``nsa_compress``: same implementation and derivatives as
     the registered operator, without the dispatcher's round trip."""
@@ -303,9 +304,9 @@ def _eager(*tensors):
     transforming or intercepting operators (torch.compile, fake tensors, dispatch
     and function modes, vmap...), which all need the registered operator.
 
-    The registered operators cost about 20 us of dispatch per call; a call on
-    small tensors costs about as much again, so eager code takes this path
-    (measured with ``python -m nsa_numba bench --overhead``).
+    The registered operators' dispatch costs about as much as a call on small
+    tensors does, so eager code takes this path (``python -m nsa_numba bench
+    --overhead`` measures both; docs/reference.md has the figures).
     """
     if (torch.compiler.is_compiling() or _dispatch_stack is None or _dispatch_stack()
             or _function_modes is None or _function_modes()
