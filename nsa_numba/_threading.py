@@ -21,7 +21,7 @@ import sys
 import threading
 
 import numba
-from numba.np.ufunc import parallel as _nb_parallel
+from . import _internals
 
 _TBB_MIN_INTERFACE = 12060  # the oldest TBB interface Numba accepts
 _launch_lock = threading.Lock()
@@ -57,7 +57,7 @@ def _preload_tbb():
 def configure():
     """Prefer tbb when nobody has chosen a layer yet. Called once at import."""
     global _preloaded_tbb
-    if os.environ.get("NUMBA_THREADING_LAYER") or _nb_parallel._is_initialized:
+    if os.environ.get("NUMBA_THREADING_LAYER") or _internals.numba_pool_started():
         return
     _preloaded_tbb = _preload_tbb()
     if _preloaded_tbb is not None:
@@ -106,14 +106,13 @@ def _thread_count_functions():
     """(get, set) of the calling thread's Numba thread count: once the layer runs, its
     own C functions, which Numba's public ones call after taking its start-up locks
     (one of them a process-shared lock) on every call, a cost measured per call after
-    a cache flush (docs/performance.md, "Figures behind the code's choices"). Before that, and should Numba no longer have them, the public ones.
-    Its caller reads ``_count_functions`` first, once set."""
+    a cache flush (docs/performance.md, "Figures behind the code's choices"). Before
+    that, and should Numba no longer have them, the public ones. Its caller reads
+    ``_count_functions`` first, once set."""
     global _count_functions
-    if _nb_parallel._is_initialized:
-        get = getattr(_nb_parallel, "_get_num_threads", None)
-        put = getattr(_nb_parallel, "_set_num_threads", None)
-        _count_functions = ((get, put) if callable(get) and callable(put)
-                            else (numba.get_num_threads, numba.set_num_threads))
+    if _internals.numba_pool_started():
+        _count_functions = (_internals.numba_thread_count_functions()
+                            or (numba.get_num_threads, numba.set_num_threads))
         return _count_functions
     return numba.get_num_threads, numba.set_num_threads
 
