@@ -93,7 +93,7 @@ def info(args):
     x = np.zeros((16, 1, 16), np.float32)
     nsa_numba.nsa_compress(x, np.zeros((16, 1), np.float32), 16, 16)
     cache = getattr(_kernels.compress_forward, "_cache", None)
-    kept_bytes = _pool.keep_outputs()
+    budget = _pool.keep_outputs()
     rows = [
         ("nsa_numba", nsa_numba.__version__),
         ("python", sys.version.split()[0]),
@@ -111,9 +111,9 @@ def info(args):
                         f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
         ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
-        ("kept outputs", f"up to {kept_bytes >> 20} MiB of allocated outputs of "
-                         f"{_pool.MIN_BYTES >> 20} MiB or more"
-                         if kept_bytes else "off (every output allocated)"),
+        ("output pool", f"up to {budget >> 20} MiB of allocated outputs of "
+                        f"{_pool.MIN_BYTES >> 20} MiB or more"
+                        if budget else "off (every output allocated)"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

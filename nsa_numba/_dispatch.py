@@ -1,13 +1,15 @@
-"""Running a validated plan: workspace handling and kernel launches.
+"""Launching the compress operators' kernels: workspace handling, the kernel each
+problem gets, scratch kept per thread, and prepared calls.
 
-Like aclnn, running is the second phase: the caller (or ``nsa_numba.api``) sizes the
+Like aclnn, running is the second phase: the caller (or the pipeline) sizes the
 workspace from ``plan.workspace_bytes``, allocates it, and passes it here. The
 kernels keep all their scratch in it (per-tile partials, per-thread rows). A run
-given no workspace uses one kept per Python thread (``kept_scratch``).
+given no workspace uses scratch kept per Python thread (``thread_scratch``).
 
-Every training run goes through a :class:`Recipe`, what ``launch`` needs besides
-the arrays; ``recipe`` derives it from a plan, and ``_repeat`` keeps the recipes of
-calls that come again, so that those skip planning.
+A full-path run goes through a :class:`Recipe`, what ``launch`` needs besides the
+arrays. A run that succeeded can leave a :class:`Prepared` call for the pipeline's
+cache: the recipe bound to its kernel's entry for calls that come again, which takes
+the caller's arrays as they are (``run_prepared``).
 """
 
 import threading
@@ -16,33 +18,40 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from . import _kernels, _simd, _threading
+from . import _kernels, _pool, _simd, _threading
 from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
 
 
 @dataclass(frozen=True)
+class Scratch:
+    """The scratch a run needs, in its accumulator dtype: the weight-gradient
+    partials ``[n_tiles, N, l]`` (n_tiles 0: none), then per-thread rows ``[slots,
+    elements]`` from ``partial_elements`` on (``_plan`` sizes them)."""
+    accumulator: np.dtype
+    partials: tuple
+    partial_elements: int
+    rows: tuple
+
+    @property
+    def nbytes(self):
+        return ((self.partial_elements + self.rows[0] * self.rows[1])
+                * self.accumulator.itemsize)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A training run without its arrays: which kernel, on which tiles, with how
     much scratch. The arrays come to ``launch`` as storage views, in the order of
     ``ROLES[op]``."""
     op: str                  # "forward" or "grad"
-    dtype: np.dtype          # the call's dtype (named if a kernel compiles)
-    storage: np.dtype        # the dtype the kernels see its arrays as (_plan.STORAGE)
-    accumulator: np.dtype
+    storage: np.dtype        # the dtype the kernels see the arrays as (_plan.STORAGE)
     kernel: object           # forward_kernel's choice, or compress_backward
     vector: bool             # backward: token pairs in _simd vectors (backward_vector)
     tiles: np.ndarray
     stride: int
     D: int
     useful: int              # Plan.threads_useful
-    partials: tuple          # weight-gradient partials' shape [n_tiles, N, l] (n_tiles 0: none)
-    partial_elements: int    # elements before the scratch rows (Plan.partial_elements)
-    rows: tuple              # scratch rows' shape [slots, elements]
-
-    @property
-    def scratch_bytes(self):
-        return ((self.partial_elements + self.rows[0] * self.rows[1])
-                * self.accumulator.itemsize)
+    scratch: Scratch
 
 
 #: the storage views ``launch`` takes, by op, in the kernels' order
@@ -61,21 +70,19 @@ def _fresh_aligned(nbytes):
     return _aligned(np.empty(nbytes + WORKSPACE_ALIGN, np.uint8), nbytes)
 
 
-def _aligned_elements(plan, workspace):
-    """The plan's ``scratch_bytes`` of the workspace from its first WORKSPACE_ALIGN-byte
-    boundary, as accumulator elements."""
-    return _aligned(workspace, plan.scratch_bytes).view(plan.accumulator)
+def scratch_of(plan):
+    """The :class:`Scratch` of a training plan."""
+    partials = (plan.tiles.shape[0] if plan.partial_elements else 0), plan.N, plan.block
+    return Scratch(plan.accumulator, partials, plan.partial_elements,
+                   (plan.scratch_slots, plan.scratch_elements))
 
 
-def _partials_shape(plan):
-    """The weight-gradient partials' shape ``[n_tiles, N, l]`` (no tiles: the forward)."""
-    return (plan.tiles.shape[0] if plan.partial_elements else 0), plan.N, plan.block
-
-
-def _cut(elements, partials, partial_elements, rows):
-    """(partials, scratch rows) of accumulator ``elements`` laid out as ``carve`` says."""
-    return (elements[:partials[0] * partials[1] * partials[2]].reshape(partials),
-            elements[partial_elements:].reshape(rows))
+def _cut(memory, scratch):
+    """(partials, scratch rows) of aligned bytes ``memory`` laid out as ``scratch`` says."""
+    elements = memory.view(scratch.accumulator)
+    p = scratch.partials
+    return (elements[:p[0] * p[1] * p[2]].reshape(p),
+            elements[scratch.partial_elements:].reshape(scratch.rows))
 
 
 def carve(plan, workspace):
@@ -86,60 +93,47 @@ def carve(plan, workspace):
     in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
     starts at a boundary too).
     """
-    return _cut(_aligned_elements(plan, workspace), _partials_shape(plan),
-                plan.partial_elements, (plan.scratch_slots, plan.scratch_elements))
+    scratch = scratch_of(plan)
+    return _cut(_aligned(workspace, scratch.nbytes), scratch)
 
 
 #: a Python thread keeps the scratch of its runs given no workspace, up to this size,
 #: for its next ones: allocating and carving a new workspace is a handful of NumPy
 #: steps, which cost a small call tens of microseconds after a cache flush
 #: (docs/performance.md, "Figures behind the code's choices").
-KEPT_SCRATCH_BYTES = 16 << 20
+THREAD_SCRATCH_BYTES = 16 << 20
 
 
-class _Kept(threading.local):
+class _ThreadScratch(threading.local):
     buffer = None       # 64-byte aligned bytes
-    cuts = None         # (accumulator, partials, rows) -> (partials, scratch) in it
+    cuts = None         # Scratch -> (partials, rows) in it
     busy = False        # a run on this thread is using it
 
 
-_kept = _Kept()
+_thread_scratch = _ThreadScratch()
 
 
-def kept_scratch(recipe, key=None):
-    """(partials, scratch) for a run without a caller's workspace (``key``: the
-    recipe's ``_scratch_key``, if known): views of this thread's kept buffer (grown
-    as needed, up to KEPT_SCRATCH_BYTES), or of new memory when the run needs more or
-    the buffer is in use (a signal handler's call in the middle of a run). The
-    kernels write every scratch element before they read it, so reuse changes no bit
-    of any result."""
-    kept = _kept
-    key = key or _scratch_key(recipe)
+def thread_scratch(scratch):
+    """(partials, rows) of :class:`Scratch` ``scratch`` for a run without a caller's
+    workspace: views of this thread's kept buffer (grown as needed, up to
+    THREAD_SCRATCH_BYTES), or of new memory when the run needs more or the buffer is in
+    use (a signal handler's call in the middle of a run). The kernels write every
+    scratch element before they read it, so reuse changes no bit of any result."""
+    kept = _thread_scratch
     if not kept.busy and kept.cuts is not None:
-        cut = kept.cuts.get(key)
+        cut = kept.cuts.get(scratch)
         if cut is not None:
             return cut
-    nbytes = recipe.scratch_bytes
-    if kept.busy or nbytes > KEPT_SCRATCH_BYTES:
-        return _cut_bytes(recipe, _fresh_aligned(nbytes))
+    nbytes = scratch.nbytes
+    if kept.busy or nbytes > THREAD_SCRATCH_BYTES:
+        return _cut(_fresh_aligned(nbytes), scratch)
     if kept.buffer is None or kept.buffer.size < nbytes:
         kept.buffer = _fresh_aligned(nbytes)
         kept.cuts = {}
     elif len(kept.cuts) >= 64:
         kept.cuts.clear()
-    cut = kept.cuts[key] = _cut_bytes(recipe, kept.buffer[:nbytes])
+    cut = kept.cuts[scratch] = _cut(kept.buffer[:nbytes], scratch)
     return cut
-
-
-def _scratch_key(recipe):
-    """What a recipe's scratch cut depends on (its key in ``_Kept.cuts``)."""
-    return recipe.accumulator, recipe.partials, recipe.rows
-
-
-def _cut_bytes(recipe, memory):
-    """The recipe's (partials, scratch) in aligned bytes ``memory``."""
-    return _cut(memory.view(recipe.accumulator), recipe.partials, recipe.partial_elements,
-                recipe.rows)
 
 
 def simd_fits(plan, x, out):
@@ -195,10 +189,9 @@ def recipe(plan, views):
         kernel, vector = forward_kernel(plan, views[0], views[2]), False
     else:
         kernel, vector = _kernels.compress_backward, backward_vector(plan, views[1], views[3])
-    return Recipe(plan.op, plan.dtype, STORAGE[kind_of(plan.dtype)], plan.accumulator,
-                  kernel, vector, plan.tiles, plan.stride, plan.D, plan.threads_useful,
-                  _partials_shape(plan), plan.partial_elements,
-                  (plan.scratch_slots, plan.scratch_elements))
+    return Recipe(op=plan.op, storage=STORAGE[kind_of(plan.dtype)], kernel=kernel,
+                  vector=vector, tiles=plan.tiles, stride=plan.stride, D=plan.D,
+                  useful=plan.threads_useful, scratch=scratch_of(plan))
 
 
 def launch(recipe, views, scratch, threads=None):
@@ -218,89 +211,27 @@ def launch(recipe, views, scratch, threads=None):
     _kernels.reduce_weight_grad(partials, wg)
 
 
-def launch_kept(recipe, views, threads=None):
-    """``launch`` on this thread's kept scratch (``kept_scratch``), marked in use
-    meanwhile."""
-    kept = _kept
-    scratch = kept_scratch(recipe)
-    was, kept.busy = kept.busy, True
-    try:
-        launch(recipe, views, scratch, threads)
-    finally:
-        kept.busy = was
-
-
-#: the entry ``Again`` takes for each training kernel (``_kernels``, "calls that come
-#: again")
-_AGAIN = {_kernels.compress_forward: _kernels.compress_kept_forward,
-          _kernels.compress_forward_rows: _kernels.compress_kept_forward_rows,
-          _kernels.compress_forward_simd: _kernels.compress_kept_forward_simd,
-          _kernels.compress_backward: _kernels.compress_kept_backward}
-
-
-@dataclass(frozen=True)
-class Again:
-    """A recipe bound for calls that come again (``_repeat``): its kernel's entry,
-    which takes the caller's arrays in their storage dtype and own shape (``views``
-    of ``run_again``), and what the entry takes after them besides the scratch."""
-    recipe: Recipe
-    entry: object
-    constants: tuple          # dims, tiles, stride, D (and the backward's vector flag)
-    all_threads: bool         # the recipe wants the whole pool: no thread count to cap
-    scratch_key: tuple        # its scratch's key in this thread's kept cuts (kept_scratch)
-
-
-def again(recipe, views):
-    """The :class:`Again` of ``recipe`` run on storage ``views`` (``ROLES``' order) of
-    C-contiguous caller arrays; their [B, S, N, D] shapes become the entry's ``dims``."""
-    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64).reshape(-1, 4)
-    constants = (dims, recipe.tiles, recipe.stride, recipe.D)
-    if recipe.op == "grad":
-        constants += (recipe.vector,)
-    return Again(recipe, _AGAIN[recipe.kernel], constants,
-                 recipe.useful >= numba.config.NUMBA_NUM_THREADS, _scratch_key(recipe))
-
-
-def run_again(kept, threads, *views):
-    """Run :class:`Again` ``kept`` on the caller's arrays as storage-dtype ``views`` of
-    their own shapes, in ``ROLES``' order, on this thread's kept scratch; False, with
-    nothing written, when an output may share memory with an input (the caller then
-    goes the full way). ``threads`` as in ``launch``."""
-    recipe = kept.recipe
-    state = _kept
-    partials, rows = kept_scratch(recipe, kept.scratch_key)
-    scratch = (rows,) if recipe.op == "forward" else (partials, rows)
-    was, state.busy = state.busy, True
-    try:
-        if (kept.all_threads and (threads is None or threads >= recipe.useful)
-                and _threading.concurrent):       # no count to cap, no launch lock
-            return kept.entry(*views, *scratch, *kept.constants)
-        useful = recipe.useful if threads is None else min(threads, recipe.useful)
-        return _threading.launch(kept.entry, useful, *views, *scratch, *kept.constants)
-    finally:
-        state.busy = was
-
-
-def run(plan, workspace=None, threads=None):
-    """Compute the plan's outputs; return its Recipe and the storage views it ran on
-    (None for a decoding step).
+def run_compress(plan, workspace=None, threads=None):
+    """Launch a training plan (the pipeline's ``launch`` for both compress operators);
+    return its Recipe and the storage views it ran on.
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
-    ``plan.workspace_bytes`` (None: this thread's kept scratch, ``kept_scratch``).
+    ``plan.workspace_bytes`` (None: this thread's kept scratch, ``thread_scratch``).
     ``threads``: at most this many threads (None: Numba's count for the calling
     thread).
     """
-    if plan.op == "infer":
-        step = _prepare_infer(plan, workspace, threads)
-        if step is not None:
-            step()
-        return None
     views = storage_views(plan, workspace)
     chosen = recipe(plan, views)
-    if workspace is None:
-        launch_kept(chosen, views, threads)
-    else:
+    if workspace is not None:
         launch(chosen, views, carve(plan, workspace), threads)
+        return chosen, views
+    kept = _thread_scratch
+    scratch = thread_scratch(chosen.scratch)
+    was, kept.busy = kept.busy, True
+    try:
+        launch(chosen, views, scratch, threads)
+    finally:
+        kept.busy = was
     return chosen, views
 
 
@@ -310,21 +241,147 @@ def prepare(plan, workspace, threads=None):
     (``new_workspace``): views, recipe, scratch. ``bench --split`` times it apart
     from the Python work of a call."""
     if plan.op == "infer":
-        return _prepare_infer(plan, workspace, threads)
+        return _infer_launch(plan, workspace, threads)
     views = storage_views(plan, workspace)
     chosen, scratch = recipe(plan, views), carve(plan, workspace)
     return lambda: launch(chosen, views, scratch, threads)
 
 
-def _prepare_infer(plan, workspace, threads):
-    """The with-cache operator: one kernel launch over the writing sequences."""
+# -- prepared calls ----------------------------------------------------------------
+
+#: the entry a prepared call takes for each training kernel (``_kernels``, "calls
+#: that come again"): the kernel behind an overlap check and the reshapes
+_ENTRIES = {_kernels.compress_forward: _kernels.compress_fast_forward,
+            _kernels.compress_forward_rows: _kernels.compress_fast_forward_rows,
+            _kernels.compress_forward_simd: _kernels.compress_fast_forward_simd,
+            _kernels.compress_backward: _kernels.compress_fast_backward}
+
+#: the roles a caller may leave to be allocated
+OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A training call that ran, ready to run again on new arrays of the same
+    signature (``_pipeline``): its kernel's entry, which takes the caller's arrays in
+    their storage dtype and own shape, and what the entry takes after them besides
+    the scratch."""
+    op: str                  # "forward" or "grad"
+    entry: object            # _ENTRIES[kernel]
+    constants: tuple         # dims, tiles, stride, D (and the backward's vector flag)
+    storage: np.dtype
+    scratch: Scratch
+    useful: int              # most threads worth waking
+    all_threads: bool        # it wants the whole pool: no thread count to cap
+    allocate: tuple          # per ROLES entry: the shape of an output to allocate, or None
+
+
+def prepared_call(plan, chosen, views, given):
+    """(:class:`Prepared`, bytes it holds) of ``plan`` run as Recipe ``chosen`` on
+    storage ``views``, or None where its arrays do not allow one: each must be
+    C-contiguous with a storage view that is a reshape of it (not a copy, a padded
+    carrier, words or a strided view). ``given``: the roles whose outputs the caller
+    passed (the others were allocated)."""
+    allocate = []
+    for role, view in zip(ROLES[plan.op], views):
+        a = plan.arrays[role]
+        if (view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize
+                or not (a.flags.c_contiguous and view.flags.c_contiguous)
+                or view.size != a.size or (view.ndim != 4 and view.shape != a.shape)):
+            return None
+        allocate.append(a.shape if role in OUTPUT_ROLES and role not in given else None)
+    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64).reshape(-1, 4)
+    constants = (dims, chosen.tiles, chosen.stride, chosen.D)
+    if chosen.op == "grad":
+        constants += (chosen.vector,)
+    made = Prepared(op=chosen.op, entry=_ENTRIES[chosen.kernel], constants=constants,
+                    storage=chosen.storage, scratch=chosen.scratch, useful=chosen.useful,
+                    all_threads=chosen.useful >= numba.config.NUMBA_NUM_THREADS,
+                    allocate=tuple(allocate))
+    return made, chosen.tiles.nbytes
+
+
+def run_prepared(prepared, threads, *views):
+    """Run ``prepared`` on the caller's arrays as storage-dtype ``views`` of their own
+    shapes, in ``ROLES``' order, on this thread's kept scratch; False, with nothing
+    written, when an output may share memory with an input (the caller then goes the
+    full path). ``threads`` as in ``launch``."""
+    state = _thread_scratch
+    partials, rows = thread_scratch(prepared.scratch)
+    scratch = (rows,) if prepared.op == "forward" else (partials, rows)
+    was, state.busy = state.busy, True
+    try:
+        if (prepared.all_threads and (threads is None or threads >= prepared.useful)
+                and _threading.concurrent):       # no count to cap, no launch lock
+            return prepared.entry(*views, *scratch, *prepared.constants)
+        useful = prepared.useful if threads is None else min(threads, prepared.useful)
+        return _threading.launch(prepared.entry, useful, *views, *scratch,
+                                 *prepared.constants)
+    finally:
+        state.busy = was
+
+
+# The fast paths of the two training operators are written out, not built from
+# ROLES in loops: after a cache flush every bytecode a call runs is a miss (docs/
+# performance.md, "Figures behind the code's choices").
+
+def forward_again(prepared, threads, x, weight, block, stride, seq, seq_type, layout, out):
+    """The forward's fast path: its output, or None to go the full path."""
+    if out is None:
+        out = _pool.empty(prepared.allocate[2], x.dtype)
+    storage = prepared.storage
+    if run_prepared(prepared, threads, x.view(storage), weight.view(storage),
+                    out.view(storage)):
+        return out
+    return None
+
+
+def grad_again(prepared, threads, g, x, weight, block, stride, seq, seq_type, layout,
+               input_grad, weight_grad):
+    """The backward's fast path: ``(input_grad, weight_grad)``, or None."""
+    if input_grad is None:
+        input_grad = _pool.empty(prepared.allocate[3], x.dtype)
+    if weight_grad is None:
+        weight_grad = _pool.empty(prepared.allocate[4], x.dtype)
+    storage = prepared.storage
+    if run_prepared(prepared, threads, g.view(storage), x.view(storage),
+                    weight.view(storage), input_grad.view(storage),
+                    weight_grad.view(storage)):
+        return input_grad, weight_grad
+    return None
+
+
+def prepare_forward(plan, launched, x, weight, block, stride, seq, seq_type, layout, out):
+    return prepared_call(plan, *launched, () if out is None else ("out",))
+
+
+def prepare_grad(plan, launched, g, x, weight, block, stride, seq, seq_type, layout,
+                 input_grad, weight_grad):
+    given = tuple(role for role, a in (("input_grad", input_grad),
+                                       ("weight_grad", weight_grad)) if a is not None)
+    return prepared_call(plan, *launched, given)
+
+
+# -- the with-cache operator ---------------------------------------------------------
+
+def run_infer(plan, workspace=None, threads=None):
+    """Launch a decoding step (the pipeline's ``launch`` for the with-cache
+    operator)."""
+    step = _infer_launch(plan, workspace, threads)
+    if step is not None:
+        step()
+
+
+def _infer_launch(plan, workspace, threads):
+    """The with-cache operator's one kernel launch over the writing sequences, as a
+    function of no arguments (None when no sequence writes)."""
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
     if not plan.writers:
         return None
     if workspace is None:
         workspace = new_workspace(plan)
-    scratch = _aligned_elements(plan, workspace).reshape(plan.scratch_slots,
-                                                         plan.scratch_elements)
+    scratch = _aligned(workspace, plan.scratch_bytes).view(plan.accumulator).reshape(
+        plan.scratch_slots, plan.scratch_elements)
     weight = weight_storage(plan.arrays["weight"], STORAGE[kind_of(plan.dtype)])
     args = (plan.storage("input"), weight, plan.storage("cache"), plan.slots, plan.source,
             plan.D, scratch)

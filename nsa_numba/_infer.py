@@ -28,7 +28,7 @@ NPU calls the result unstable); non-strict mode writes the last such sequence's 
 (highest ``b``), so the result is defined and deterministic.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,8 +36,8 @@ from . import _seqlens
 from ._errors import invalid, missing, tiling
 from ._jit import BOUNDSCHECK, jit
 from ._layouts import c_carrier
-from ._plan import (ACCUMULATOR, BFLOAT16, FLOAT16, FLOAT32, FLOAT64, STORAGE, TILE_ELEMENTS,
-                    WORKSPACE_ALIGN, kind_of, overlaps, scratch_slots)
+from ._plan import (ACCUMULATOR, STORAGE, TILE_ELEMENTS, WORKSPACE_ALIGN, Rules, kind_of,
+                    overlaps, scratch_slots)
 from ._plan import check_array as _array, check_int as _int
 
 PY_NAMES = {
@@ -57,21 +57,17 @@ MAX_N = 64
 EVEN_N_ABOVE = 50
 
 
-@dataclass(frozen=True)
-class InferRules:
-    """What differs between the entry points of the with-cache operator."""
-    op: str
-    names: dict = field(default_factory=lambda: dict(PY_NAMES))
-    dtypes: tuple = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
-    #: dtype slot_mapping and block_table must have (None: any integer dtype, and
-    #: lists or tuples of integers too)
-    index_dtype: object = None
-    strict: bool = True
+def infer_rules(op, **options):
+    """The :class:`~nsa_numba._plan.Rules` of an entry point of this operator, with
+    its NumPy API's parameter names unless ``options`` gives others."""
+    options.setdefault("names", dict(PY_NAMES))
+    return Rules(op, **options)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InferPlan:
-    """A validated decoding step, ready to run (``_dispatch.run``)."""
+    """A validated decoding step, ready to run (``_dispatch.run_infer``): what the
+    pipeline reads of a plan (``_plan.Plan``), and the writers' gather table."""
     dtype: np.dtype
     N: int
     D: int
@@ -83,6 +79,13 @@ class InferPlan:
     scratch_elements: int
     arrays: dict                   # the caller's arrays, by role
     op: str = "infer"
+
+    def allocate(self):
+        """Nothing to allocate: the cache is the one output, and the caller's."""
+
+    def summary(self):
+        """The step in a few words (``aclOpExecutor``'s repr)."""
+        return f"{self.op} writers={self.writers} N={self.N} D={self.D}"
 
     @property
     def accumulator(self):
@@ -375,5 +378,6 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
             raise invalid(op, f"{names['cache']} overlaps {names[key]} in memory; the cache "
                               f"must not share memory with the other arguments")
     elements = -(-N * D // 16) * 16
-    return InferPlan(x.dtype, N, D, block, int(writer_slots.size), writer_slots, source,
-                     scratch_slots(), elements, arrays)
+    return InferPlan(dtype=x.dtype, N=N, D=D, block=block, writers=int(writer_slots.size),
+                     slots=writer_slots, source=source, scratch_slots=scratch_slots(),
+                     scratch_elements=elements, arrays=arrays)

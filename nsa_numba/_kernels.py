@@ -50,7 +50,7 @@ CACHE_DEPENDS = {
     "_halfprec.py": "6c0f8d3668b474b5",
     "_jit.py": "5e2d2922a8cf1971",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "4ad53ac039e6c644",
+    "_simd.py": "f7632a1c6d078c24",
     "_target.py": "64343d6f781c7228",
     "_tiles.py": "84348cd636a988e0",
 }
@@ -81,9 +81,10 @@ def _table_for_typed(w):
 def weight_table(w):
     """The weight's storage ``w`` ``[l, N]`` as the ``[N, l]`` accumulator table the
     kernels read. Each kernel builds it first: one small pass in compiled code, where
-    NumPy's ``astype`` of a bfloat16 array and a transposed copy cost a call 50-75 us
-    after a cache flush. Every storage format widens exactly, so the table is the
-    weight's values."""
+    NumPy's ``astype`` of a bfloat16 array and a transposed copy cost a call tens of
+    microseconds after a cache flush (docs/performance.md, "Figures behind the code's
+    choices"). Every storage format widens exactly, so the table is the weight's
+    values."""
     wt = _table_for(w)
     for j in range(w.shape[0]):
         for n in range(w.shape[1]):
@@ -242,10 +243,11 @@ def compress_forward_rows(x, w, out, tiles, stride, D, scratch):
     """``compress_forward`` one token per pass over D: faster for short token rows.
 
     Same arguments, same segments, same sums in the same order, so the same bits;
-    ``_dispatch`` picks it when N * D < GROUPED_MIN_ROW (measured: on short rows the
-    four-row passes stall on loads, while one row at a time reads memory in order).
-    The two kernels share their segment walk but not their inner passes: one kernel
-    with the group size as an argument measured 50% slower on short rows.
+    ``_dispatch`` picks it when N * D < GROUPED_MIN_ROW (on short rows the four-row
+    passes stall on loads, while one row at a time reads memory in order). The two
+    kernels share their segment walk but not their inner passes: one kernel with the
+    group size as an argument was slower on short rows (docs/performance.md,
+    "Figures behind the code's choices").
 
     Each token asks for the row AHEAD_BYTES further on (software prefetch): short
     rows are too short for the hardware prefetchers to run far ahead, least of all
@@ -655,14 +657,14 @@ def reduce_weight_grad(partials, wg):
 
 
 # -- calls that come again --------------------------------------------------------
-# ``_repeat`` launches a kept call through one of these: they take the caller's
-# C-contiguous arrays in their storage dtype and shape, check in machine code that
-# the outputs share no byte with the inputs (False, nothing written, when they
-# may: the caller then goes the full way, which says why), reshape them to the
+# A prepared call (``_dispatch.Prepared``) launches through one of these: they take
+# the caller's C-contiguous arrays in their storage dtype and shape, check in machine
+# code that the outputs share no byte with the inputs (False, nothing written, when
+# they may: the caller then goes the full path, which says why), reshape them to the
 # kernel's [B, S, N, D] (``dims``: one row per such array) and run the kernel. After
-# a cache flush each Python step of a call costs microseconds (np.may_share_memory:
-# about 15 us, a reshape about 10); here they cost next to nothing, and the
-# backward's weight-gradient reduction needs no second launch from Python.
+# a cache flush each of those steps costs a Python call microseconds (docs/
+# performance.md, "Figures behind the code's choices"); here they cost next to
+# nothing, and the backward's weight-gradient reduction needs no second launch.
 
 @jit(inline="always")
 def _apart(a, b):
@@ -680,40 +682,40 @@ def _as_rows(a, dims, i):
 
 
 @jit(inline="always")
-def _kept_forward_views(x, w, out, dims):
+def _fast_forward_views(x, w, out, dims):
     """(whether ``out`` shares no byte with ``x`` or ``w``, x and out as [B, S, N, D])."""
     return _apart(out, x) and _apart(out, w), _as_rows(x, dims, 0), _as_rows(out, dims, 1)
 
 
 @jit
-def compress_kept_forward(x, w, out, rows, dims, tiles, stride, D):
+def compress_fast_forward(x, w, out, rows, dims, tiles, stride, D):
     """``compress_forward`` for a kept call (above)."""
-    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
     if apart:
         compress_forward(x4, w, out4, tiles, stride, D, rows)
     return apart
 
 
 @jit
-def compress_kept_forward_rows(x, w, out, rows, dims, tiles, stride, D):
+def compress_fast_forward_rows(x, w, out, rows, dims, tiles, stride, D):
     """``compress_forward_rows`` for a kept call (above)."""
-    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
     if apart:
         compress_forward_rows(x4, w, out4, tiles, stride, D, rows)
     return apart
 
 
 @jit
-def compress_kept_forward_simd(x, w, out, rows, dims, tiles, stride, D):
+def compress_fast_forward_simd(x, w, out, rows, dims, tiles, stride, D):
     """``compress_forward_simd`` for a kept call (above)."""
-    apart, x4, out4 = _kept_forward_views(x, w, out, dims)
+    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
     if apart:
         compress_forward_simd(x4, w, out4, tiles, stride, D, rows)
     return apart
 
 
 @jit
-def compress_kept_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, vector):
+def compress_fast_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, vector):
     """``compress_backward`` then ``reduce_weight_grad`` for a kept call (above)."""
     if not (_apart(ig, g) and _apart(ig, x) and _apart(ig, w) and _apart(wg, g)
             and _apart(wg, x) and _apart(wg, w) and _apart(wg, ig)):

@@ -1,13 +1,14 @@
-"""Validation and planning: the one path every entry point goes through.
+"""Validation and planning of the training compress operators: their rules and
+planners (``_operators`` registers them with the pipeline).
 
 ``plan_forward`` and ``plan_grad`` check every argument, work out the sequence
-geometry and the tile schedule, and return a :class:`Plan`. Nothing is written
-before a plan exists, so a rejected call leaves every output untouched. (A call
-that comes again with everything these checks read unchanged reuses the plan of
-the first, ``_repeat``; the checks it skips would have given the same answers.) The Python
-API (``nsa_numba.nsa_compress``...) and the aclnn mirror differ only in the
-:class:`Rules` they pass: parameter names, the dtypes allowed, whether missing
-outputs are allocated, and strictness.
+geometry and the tile schedule, and return a :class:`Plan`. Nothing is written or
+allocated before a plan exists, so a rejected call leaves every output untouched.
+(A call that comes again with everything these checks read unchanged, its
+signature, runs the prepared call of the first, ``_pipeline``; the checks it skips
+would have given the same answers.) The Python API (``nsa_numba.nsa_compress``...),
+torch and the aclnn mirror differ only in the :class:`Rules` they pass: parameter
+names, the dtypes allowed, whether missing outputs are allocated, and strictness.
 
 Tiles
 -----
@@ -43,15 +44,13 @@ through anything but the fixed-order sums above.
 """
 
 import functools
-import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 
 from . import _pool, _seqlens
+from ._cache import BoundedCache
 from ._errors import invalid, missing
 from ._jit import BOUNDSCHECK, jit
 from ._layouts import LAYOUTS, c_carrier, word_view
@@ -90,6 +89,8 @@ WORKSPACE_ALIGN = 64
 #: roles the kernels only read, and roles they write
 INPUT_ROLES = ("input", "grad")
 OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
+#: outputs the kernels take as [B, S, N, D] views
+VIEWED_OUTPUTS = ("out", "input_grad")
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,21 +115,31 @@ PY_NAMES = {
 
 @dataclass(frozen=True)
 class Rules:
-    """What differs between entry points; the checks themselves do not."""
-    op: str
-    names: dict = field(default_factory=lambda: dict(PY_NAMES))
+    """What differs between the entry points of an operator (the NumPy API, torch,
+    aclnn); the checks themselves do not. Every operator's planner takes one."""
+    op: str                         # the entry point's name, in messages
+    names: dict = field(default_factory=lambda: dict(PY_NAMES))    # role -> parameter
     dtypes: tuple = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
     strict: bool = True
     allocate_outputs: bool = True   # False: a None output is an error (161001)
+    #: the dtype index arrays must have (None: any integer dtype, and lists or tuples
+    #: of integers too)
+    index_dtype: object = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """A validated problem, ready to run.
+    """A validated training problem (either compress operator), ready to run.
 
     ``arrays`` maps role names (``input``, ``weight``, ``grad``, ``out``,
     ``input_grad``, ``weight_grad``) to the caller's arrays, ``views`` the big ones to
     their ``[B, S, N, D]`` views; ``storage(role)`` gives what the kernels take.
+    ``pending``: the outputs the caller left to be allocated, role -> shape
+    (``allocate`` fills them in).
+
+    What the pipeline reads of every operator's plan (``_pipeline``): ``op``,
+    ``dtype``, ``arrays``, ``allocate()``, ``workspace_bytes``, ``threads_useful``
+    and ``summary()``.
     """
     op: str
     dtype: np.dtype
@@ -146,6 +157,20 @@ class Plan:
     scratch_elements: int          # elements per row
     arrays: dict
     views: dict
+    pending: dict = field(default_factory=dict)
+
+    def allocate(self):
+        """Allocate the pending outputs (from the output pool), once every check has
+        passed."""
+        for role, shape in self.pending.items():
+            if self.arrays[role] is None:
+                a = self.arrays[role] = _pool.empty(shape, self.dtype)
+                if role in VIEWED_OUTPUTS:
+                    self.views[role] = LAYOUTS[self.layout].view4(a, self.N)
+
+    def summary(self):
+        """The problem in a few words (``aclOpExecutor``'s repr)."""
+        return f"{self.op} {self.layout} B={self.B} S={self.S} N={self.N} D={self.D}"
 
     @property
     def scratch_bytes(self):
@@ -233,7 +258,7 @@ def _check_same_dtype(rules, dtype, key, a):
 
 def _check_output(rules, key, a, shape, dtype, dims):
     """A caller-provided output, checked (None stays None when the rules allocate
-    missing outputs: ``_allocate`` does, once every check has passed)."""
+    missing outputs: ``Plan.allocate`` does, once every check has passed)."""
     if a is None and rules.allocate_outputs:
         return None
     check_array(rules, key, a, len(shape), dims)
@@ -244,11 +269,6 @@ def _check_output(rules, key, a, shape, dtype, dims):
     if not a.flags.writeable:
         raise invalid(rules.op, f"{name} must be writable, got a read-only array")
     return a
-
-
-def _allocate(a, shape, dtype):
-    """A missing output, allocated (from the output pool) after every check passed."""
-    return _pool.empty(shape, dtype) if a is None else a
 
 
 def overlaps(a, b):
@@ -360,11 +380,9 @@ class Sequences:
 
 #: most geometries whose tables ``_tables`` keeps, and most bytes they may hold
 #: (tables bigger than an eighth of that are not kept: their calls are long anyway)
-TABLES_KEPT = 64
-TABLES_KEPT_BYTES = 8 << 20
-_tables_kept = OrderedDict()        # key -> (Sequences, tiles, bytes)
-_tables_bytes = 0
-_tables_lock = threading.Lock()
+TABLE_CACHE_ENTRIES = 64
+TABLE_CACHE_BYTES = 8 << 20
+_table_cache = BoundedCache(TABLE_CACHE_ENTRIES, TABLE_CACHE_BYTES)
 
 
 def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_type):
@@ -373,12 +391,15 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
     A model calls the operators once per layer with the same sequence lengths, and
     building the tables is a measurable part of planning a call that finds the
     caches cold (docs/performance.md, "Figures behind the code's choices"). So the
-    last TABLES_KEPT geometries keep theirs, keyed on everything
+    last TABLE_CACHE_ENTRIES geometries keep theirs, keyed on everything
     the tables depend on: the op (the tile sizes differ), the layout kind, the
     sequence values as checked integers and how to read them, B, S, l, d, N and D.
     Values that fail a check raise before anything is kept, so a kept entry only
     ever answers values that passed. The tables are shared by the plans that use
-    them: nothing writes them.
+    them: nothing writes them. (The prepared-call cache, ``_pipeline``, answers a call
+    that comes again with the same arrays' layout before planning starts; these tables
+    serve the calls it cannot: strided and padded-layout arrays, aclnn's phase one, and
+    every signature's first call. docs/design.md, "Calls that come again".)
     """
     if layout.packed:
         values, kind = _seqlens.sequence_values(rules.op, actual_seq_len, seq_type, S,
@@ -388,16 +409,12 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
         _check_no_sequences(rules, layout, actual_seq_len)
         values = kind = None
         key = (op, False, B, S, block, stride, N, D)
-    with _tables_lock:
-        kept = _tables_kept.get(key)
-        if kept is not None:
-            _tables_kept.move_to_end(key)
+    kept = _table_cache.get(key)
     if kept is None:
         seqs = _sequences(rules, layout, B, S, block, stride, values, kind)
         tiles = tile_schedule(op, seqs, block, stride, N, D)
         kept = seqs, tiles, _table_bytes(key, seqs, tiles)
-        if kept[2] <= TABLES_KEPT_BYTES // 8:
-            _keep(key, kept)
+        _table_cache.put(key, kept, kept[2])
     seqs, tiles, _ = kept
     if rules.strict and seqs.out_rows == 0:             # no sequence has a window
         raise invalid(rules.op, f"no sequence is as long as {rules.names['block']} = "
@@ -408,39 +425,12 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
 
 def forget_tables():
     """Drop every kept table (tests use it to start from none)."""
-    global _tables_bytes
-    with _tables_lock:
-        _tables_kept.clear()
-        _tables_bytes = 0
-
-
-def _tables_after_fork():
-    """In a forked child: a new lock (another thread may have held the parent's at
-    the fork) and no kept tables (that thread may have been halfway through)."""
-    global _tables_lock
-    _tables_lock = threading.Lock()
-    forget_tables()
-
-
-if hasattr(os, "register_at_fork"):      # POSIX
-    os.register_at_fork(after_in_child=_tables_after_fork)
+    _table_cache.clear()
 
 
 def _table_bytes(key, seqs, tiles):
     arrays = (seqs.batch, seqs.start, seqs.length, seqs.first_row, seqs.windows, tiles)
     return sum(a.nbytes for a in arrays) + sum(len(k) for k in key if isinstance(k, bytes))
-
-
-def _keep(key, kept):
-    """Keep ``kept`` under ``key``, then drop the oldest entries beyond the bounds."""
-    global _tables_bytes
-    with _tables_lock:
-        if key in _tables_kept:          # another thread built the same tables
-            return
-        _tables_kept[key] = kept
-        _tables_bytes += kept[2]
-        while len(_tables_kept) > TABLES_KEPT or _tables_bytes > TABLES_KEPT_BYTES:
-            _tables_bytes -= _tables_kept.popitem(last=False)[1][2]
 
 
 def _check_no_sequences(rules, layout, actual_seq_len):
@@ -558,15 +548,19 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     seqs, tiles = _tables(rules, "forward", layout, B, S, block, stride, N, D,
                           actual_seq_len, seq_type)
     given = {"out": out} if out is not None else {}
-    out = _check_output(rules, "out", out, layout.shape(B, seqs.out_rows, N, D), x.dtype,
-                        _window_dims(rules, layout))
+    out_shape = layout.shape(B, seqs.out_rows, N, D)
+    out = _check_output(rules, "out", out, out_shape, x.dtype, _window_dims(rules, layout))
     _check_no_overlap(rules, given, {"input": x, "weight": weight})
-    out = _allocate(out, layout.shape(B, seqs.out_rows, N, D), x.dtype)
     scratch = forward_scratch_elements(N, D, block, stride)
-    return Plan("forward", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
-                tiles, 0, scratch_slots(), _round16(scratch),
-                {"input": x, "weight": weight, "out": out},
-                {"input": layout.view4(x, N), "out": layout.view4(out, N)})
+    views = {"input": layout.view4(x, N)}
+    if out is not None:
+        views["out"] = layout.view4(out, N)
+    return Plan(op="forward", dtype=x.dtype, layout=layout.name, B=B, S=S, N=N, D=D,
+                block=block, stride=stride, out_rows=seqs.out_rows, tiles=tiles,
+                partial_elements=0, scratch_slots=scratch_slots(),
+                scratch_elements=_round16(scratch),
+                arrays={"input": x, "weight": weight, "out": out}, views=views,
+                pending={} if out is not None else {"out": out_shape})
 
 
 def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, layout,
@@ -594,13 +588,87 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
     _check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
-    input_grad = _allocate(input_grad, x.shape, x.dtype)
-    weight_grad = _allocate(weight_grad, weight.shape, x.dtype)
     scratch = backward_scratch_elements(N, D, block, stride)
-    return Plan("grad", x.dtype, layout.name, B, S, N, D, block, stride, seqs.out_rows,
-                tiles, _round16(tiles.shape[0] * N * block), scratch_slots(),
-                _round16(scratch),
-                {"grad": grad, "input": x, "weight": weight,
-                 "input_grad": input_grad, "weight_grad": weight_grad},
-                {"grad": layout.view4(grad, N), "input": layout.view4(x, N),
-                 "input_grad": layout.view4(input_grad, N)})
+    views = {"grad": layout.view4(grad, N), "input": layout.view4(x, N)}
+    if input_grad is not None:
+        views["input_grad"] = layout.view4(input_grad, N)
+    pending = {role: shape for role, a, shape in (("input_grad", input_grad, x.shape),
+                                                  ("weight_grad", weight_grad, weight.shape))
+               if a is None}
+    return Plan(op="grad", dtype=x.dtype, layout=layout.name, B=B, S=S, N=N, D=D,
+                block=block, stride=stride, out_rows=seqs.out_rows, tiles=tiles,
+                partial_elements=_round16(tiles.shape[0] * N * block),
+                scratch_slots=scratch_slots(), scratch_elements=_round16(scratch),
+                arrays={"grad": grad, "input": x, "weight": weight,
+                        "input_grad": input_grad, "weight_grad": weight_grad},
+                views=views, pending=pending)
+
+
+# -- signatures (the pipeline's calls that come again) ----------------------------
+# A call's signature is everything the checks above read of it (types, dtypes,
+# shapes, strides, writability, the integers and the sequence values; never the
+# contents), exactly, or None where equality would not mean the same checks: arrays
+# of exactly numpy.ndarray, integers of exactly int (True == 1 and 1.0 == 1 in
+# Python, and the checks reject both), sequence lengths as a list or tuple of int or
+# a 1-D integer array, the layout as a str or None. The weight's writability counts:
+# the kernels take a writable weight. They are written out in full, not built in
+# loops: after a cache flush every bytecode a call runs is a miss (docs/
+# performance.md, "Figures behind the code's choices").
+
+_INT = {int}
+
+
+def _sequence_key(block, stride, seq, seq_type, layout):
+    """The sequence lengths' part of a signature, or None when they, or the call's
+    scalars, cannot be compared exactly."""
+    if not (type(block) is int and type(stride) is int and type(seq_type) is int
+            and (layout is None or type(layout) is str)):
+        return None
+    if seq is None:
+        return ()
+    kind = type(seq)
+    if kind is list or kind is tuple:
+        values = tuple(seq)
+        return values if set(map(type, values)) == _INT else None
+    if kind is np.ndarray and seq.ndim == 1 and seq.dtype.kind in "iu":
+        return seq.dtype.str, seq.tobytes()
+    return None
+
+
+def _output_key(a):
+    """An output's part of a signature (False: to be allocated), or None."""
+    if a is None:
+        return False
+    if type(a) is np.ndarray:
+        return a.dtype, a.shape, a.strides, a.flags.writeable
+    return None
+
+
+def forward_signature(rules, x, weight, block, stride, seq, seq_type, layout, out):
+    """The signature of a forward call, or None."""
+    if not (type(x) is np.ndarray and type(weight) is np.ndarray):
+        return None
+    sequences = _sequence_key(block, stride, seq, seq_type, layout)
+    given = _output_key(out)
+    if sequences is None or given is None:
+        return None
+    return ("forward", id(rules), block, stride, sequences, seq_type, layout,
+            x.dtype, x.shape, x.strides,
+            weight.dtype, weight.shape, weight.strides, weight.flags.writeable, given)
+
+
+def grad_signature(rules, grad, x, weight, block, stride, seq, seq_type, layout,
+                   input_grad, weight_grad):
+    """The signature of a backward call, or None."""
+    if not (type(grad) is np.ndarray and type(x) is np.ndarray
+            and type(weight) is np.ndarray):
+        return None
+    sequences = _sequence_key(block, stride, seq, seq_type, layout)
+    given_ig = _output_key(input_grad)
+    given_wg = _output_key(weight_grad)
+    if sequences is None or given_ig is None or given_wg is None:
+        return None
+    return ("grad", id(rules), block, stride, sequences, seq_type, layout,
+            grad.dtype, grad.shape, grad.strides, x.dtype, x.shape, x.strides,
+            weight.dtype, weight.shape, weight.strides, weight.flags.writeable,
+            given_ig, given_wg)

@@ -34,10 +34,8 @@ half of the lanes holds the row's even elements and the second half its odd ones
 each 32-bit word of the row holds an even element in its low half and the next odd
 one in its high half, so one shift and one mask widen two elements, where the
 element-wise widening takes a zero-extension and a shift for each. That leaves more
-of the vector ports to the products and sums: on AVX-512 the forward's token step
-for two windows goes from 12.1 to 10.1 cycles (``llvm-mca -mcpu=rocketlake``) and
-its kernel on cached rows took 0.91x the time (docs/performance.md). Float16 and
-float32 rows keep their own order.
+of the vector ports to the products and sums (the llvm-mca cycle counts and the
+timing are in docs/performance.md). Float16 and float32 rows keep their own order.
 
 Conversions give exactly what :func:`nsa_numba._halfprec.widen` and ``narrow`` give
 per element: bfloat16 as the top half of float32, rounded to nearest even with NaN
@@ -65,16 +63,14 @@ from ._jit import BOUNDSCHECK, jit
 REGISTER_LANES = _target.vector_bits() // 32
 #: lanes per vector of the forward: four registers, so the sums of the two windows a
 #: token can be in take 8 registers and leave the rest for the loads. On AVX2 (16
-#: registers) that is 32 lanes, one 64-byte line of a 16-bit row; 128 lanes (a whole
-#: head of D = 128) spilled there and measured slower than 32. On AVX-512 (32
-#: registers) it is 64 lanes: half the loop overhead per element of 32 lanes, and as
-#: fast within this machine's run-to-run spread; 128 lanes measured no faster
-#: (docs/design.md, "Vector widths").
+#: registers) that is 32 lanes, one 64-byte line of a 16-bit row (a whole head spilled
+#: there); on AVX-512 (32 registers) 64 lanes, half the loop overhead per element
+#: (docs/design.md, "Vector widths", has the measurements).
 WIDTH = 4 * REGISTER_LANES
 #: lanes per vector of the backward, whatever the target: its loop holds five input
 #: vectors and four results, which at 32 lanes spilled from AVX2's registers; 8 lanes
-#: (one AVX2 register) ran 0.80-0.97x the time of the loop LLVM vectorises from
-#: scalar code. On AVX-512, 16 and 32 lanes measured the same as 8 within the noise.
+#: (one AVX2 register) beat the loop LLVM vectorises from scalar code, and on AVX-512
+#: wider vectors did no better (docs/design.md, "Vector widths").
 SHORT_WIDTH = 8
 
 #: storage dtypes whose rows vload_row and vstore_row convert (see _halfprec's table)

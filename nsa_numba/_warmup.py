@@ -46,8 +46,8 @@ def _steps(dtype, strided):
         windows = int(window_counts(np.diff(seq), 32, 16).sum())
         return view(data(T, N, D)), data(32, N), data(windows, N, D), seq
 
-    # each call twice: the second, like a training loop's next step, runs through the
-    # kernel's entry for calls that come again (``_repeat``), which compiles apart
+    # each call twice: the second, like a training loop's next step, runs the
+    # prepared call through its kernel's entry (``_pipeline``), which compiles apart
     def forward(T, N, D, view=lambda a: a):
         x, w, _, seq = problem(T, N, D, view)
         for _ in range(2):

@@ -31,11 +31,12 @@ import threading
 
 import numpy as np
 
-from . import _dispatch
+from . import _pipeline
 from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID,
                       ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
-from ._infer import InferRules, plan_infer
-from ._plan import BFLOAT16, FLOAT16, Rules, overlaps, plan_forward, plan_grad
+from ._infer import infer_rules
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
+from ._plan import BFLOAT16, FLOAT16, Rules, overlaps
 
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID",
@@ -65,7 +66,7 @@ GRAD_RULES = Rules(
                layout="layoutOptionalOptional"),
     dtypes=(FLOAT16, BFLOAT16), strict=True, allocate_outputs=False)
 
-INFER_RULES = InferRules(
+INFER_RULES = infer_rules(
     "aclnnNsaCompressWithCacheGetWorkspaceSize",
     names=dict(input="input", weight="weight", slot_mapping="slotMapping",
                block="compressBlockSize", stride="compressStride", page="pageBlockSize",
@@ -113,16 +114,13 @@ class aclOpExecutor:
         if self.destroyed:
             return "<aclOpExecutor destroyed>"
         kind = "repeatable " if self.repeatable else ""
-        p = self.plan
-        shape = (f"writers={p.writers}" if p.op == "infer" else
-                 f"{p.layout} B={p.B} S={p.S}")
-        return (f"<aclOpExecutor {kind}{p.op} {shape} N={p.N} D={p.D} "
-                f"workspace={p.workspace_bytes} bytes runs={self.runs}>")
+        return (f"<aclOpExecutor {kind}{self.plan.summary()} "
+                f"workspace={self.plan.workspace_bytes} bytes runs={self.runs}>")
 
 
-def _get_workspace_size(rules, planner, *args):
+def _get_workspace_size(rules, operator, *args):
     try:
-        plan = planner(rules, *args)
+        plan = _pipeline.plan(operator, rules, args)
     except NsaError as err:
         return _fail(err.status, str(err)), 0, None
     except Exception as err:  # noqa: BLE001 - an unexpected failure must not escape
@@ -135,7 +133,7 @@ def aclnnNsaCompressGetWorkspaceSize(input, weight, actSeqLenOptional, layoutOpt
                                      compressBlockSize, compressStride, actSeqLenType,
                                      output):
     """Phase one of the forward: validate, plan. -> (status, workspace_size, executor)."""
-    return _get_workspace_size(FORWARD_RULES, plan_forward, input, weight,
+    return _get_workspace_size(FORWARD_RULES, COMPRESS, input, weight,
                                compressBlockSize, compressStride, actSeqLenOptional,
                                actSeqLenType, layoutOptional, output)
 
@@ -146,7 +144,7 @@ def aclnnNsaCompressGradGetWorkspaceSize(outputGrad, input, weight,
                                          layoutOptionalOptional, inputGradOut,
                                          weightGradOut):
     """Phase one of the backward: validate, plan. -> (status, workspace_size, executor)."""
-    return _get_workspace_size(GRAD_RULES, plan_grad, outputGrad, input, weight,
+    return _get_workspace_size(GRAD_RULES, COMPRESS_GRAD, outputGrad, input, weight,
                                compressBlockSize, compressStride, actSeqLenOptionalOptional,
                                actSeqLenType, layoutOptionalOptional, inputGradOut,
                                weightGradOut)
@@ -160,7 +158,7 @@ def aclnnNsaCompressWithCacheGetWorkspaceSize(input, weight, slotMapping, actSeq
     -> (status, workspace_size, executor). ``slotMapping`` and ``blockTableOptional``
     are int32 arrays; ``actSeqLenOptional`` holds per-sequence lengths
     (``actSeqLenType`` 1)."""
-    return _get_workspace_size(INFER_RULES, plan_infer, input, weight, slotMapping,
+    return _get_workspace_size(INFER_RULES, COMPRESS_INFER, input, weight, slotMapping,
                                compressBlockSize, compressStride, pageBlockSize,
                                blockTableOptional, actSeqLenOptional, actSeqLenType,
                                layoutOptional, outputCache)
@@ -222,7 +220,7 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
     try:
         with lock:
             raw = _check_run(op, kind, workspace, workspace_size, executor, stream)
-            _dispatch.run(executor.plan, raw)
+            _pipeline.launch(executor.plan, raw)
             executor.runs += 1
     except NsaError as err:
         return _fail(err.status, str(err))

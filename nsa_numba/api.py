@@ -1,13 +1,14 @@
 """The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress`` and
 ``npu_nsa_compress_infer``."""
 
-from . import _dispatch, _repeat
-from ._infer import InferRules, plan_infer
+from . import _pipeline
+from ._infer import infer_rules
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
 from ._plan import Rules
 
 _FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
-#: one Rules object per operator and strictness: calls that come again are known by it
-#: (``_repeat``); a ``strict`` that is not a bool gets new Rules and the full path (read
+#: one Rules object per operator and strictness: the pipeline knows calls that come
+#: again by it; a ``strict`` that is not a bool gets new Rules and the full path (read
 #: inline in each function: after a cache flush a helper call costs microseconds)
 _RULES = {(op, strict): Rules(op, strict=strict) for op in (_FORWARD, _GRAD)
           for strict in (False, True)}
@@ -58,10 +59,10 @@ def nsa_compress(input, weight, compress_block_size, compress_stride, *,
         161002 for any other invalid argument. Nothing is written then.
     """
     rules = _RULES.get((_FORWARD, strict)) if type(strict) is bool else None
-    return _repeat.compress(rules or Rules(_FORWARD, strict=strict),
-                            (input, weight, compress_block_size, compress_stride,
-                             actual_seq_len, actual_seq_len_type, layout, out),
-                            known=rules is not None)
+    return _pipeline.call(COMPRESS, rules or Rules(_FORWARD, strict=strict),
+                          (input, weight, compress_block_size, compress_stride,
+                           actual_seq_len, actual_seq_len_type, layout, out),
+                          known=rules is not None)
 
 
 def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
@@ -83,10 +84,10 @@ def nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride,
     bitwise identical results for any thread count.
     """
     rules = _RULES.get((_GRAD, strict)) if type(strict) is bool else None
-    return _repeat.compress_grad(rules or Rules(_GRAD, strict=strict),
-                                 (grad, input, weight, compress_block_size, compress_stride,
-                                  actual_seq_len, actual_seq_len_type, layout, input_grad,
-                                  weight_grad), known=rules is not None)
+    return _pipeline.call(COMPRESS_GRAD, rules or Rules(_GRAD, strict=strict),
+                          (grad, input, weight, compress_block_size, compress_stride,
+                           actual_seq_len, actual_seq_len_type, layout, input_grad,
+                           weight_grad), known=rules is not None)
 
 
 def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compress_stride,
@@ -137,8 +138,6 @@ def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compres
         rejects) or 161002 (anything else: dtypes, shapes, lengths past the block
         table or past T, block or slot indices out of range). Nothing is written then.
     """
-    plan = plan_infer(InferRules("nsa_compress_infer", strict=strict), input, weight,
-                      slot_mapping, compress_block_size, compress_stride, page_block_size,
-                      block_table, actual_seq_len, 1, layout, cache)
-    _dispatch.run(plan)
-    return cache
+    return _pipeline.call(COMPRESS_INFER, infer_rules("nsa_compress_infer", strict=strict),
+                          (input, weight, slot_mapping, compress_block_size, compress_stride,
+                           page_block_size, block_table, actual_seq_len, 1, layout, cache))

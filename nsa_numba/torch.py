@@ -38,9 +38,10 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import _dispatch, _repeat, _seqlens
+from . import _internals, _pipeline, _seqlens
 from ._errors import invalid, missing
-from ._infer import InferRules, plan_infer
+from ._infer import infer_rules
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
 from ._plan import Rules
 
 __all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer"]
@@ -48,7 +49,7 @@ __all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer"
 _FORWARD = "npu_nsa_compress"
 _GRAD = "npu_nsa_compress_grad"
 _INFER = "npu_nsa_compress_infer"
-_INFER_RULES = InferRules(_INFER)
+_INFER_RULES = infer_rules(_INFER)
 #: the checks of the NumPy API, with torch_npu's function names (its argument names
 #: are the NumPy API's) and no layouts beyond TND
 _RULES = {op: Rules(op) for op in (_FORWARD, _GRAD)}
@@ -104,9 +105,9 @@ def _compress_impl(input, weight, block, stride, values, tensor):
     x = _as_numpy(_FORWARD, "input", input)
     w = _as_numpy(_FORWARD, "weight", weight)
     seq = _seq_values(_FORWARD, values, tensor)
-    return _as_tensor(_repeat.compress(_RULES[_FORWARD], (x, w, block, stride, seq, 0, "TND",
-                                                          None),
-                                       threads=torch.get_num_threads()))
+    return _as_tensor(_pipeline.call(COMPRESS, _RULES[_FORWARD],
+                                     (x, w, block, stride, seq, 0, "TND", None),
+                                     threads=torch.get_num_threads()))
 
 
 def _compress_grad_impl(grad, input, weight, block, stride, values, tensor):
@@ -115,9 +116,9 @@ def _compress_grad_impl(grad, input, weight, block, stride, values, tensor):
     x = _as_numpy(_GRAD, "input", input)
     w = _as_numpy(_GRAD, "weight", weight)
     seq = _seq_values(_GRAD, values, tensor)
-    outputs = _repeat.compress_grad(_RULES[_GRAD], (g, x, w, block, stride, seq, 0, "TND",
-                                                    None, None),
-                                    threads=torch.get_num_threads())
+    outputs = _pipeline.call(COMPRESS_GRAD, _RULES[_GRAD],
+                             (g, x, w, block, stride, seq, 0, "TND", None, None),
+                             threads=torch.get_num_threads())
     return [_as_tensor(a) for a in outputs]
 
 
@@ -294,9 +295,7 @@ class _CompressGradFunction(torch.autograd.Function):
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
-_transforms = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_dispatch_stack, _function_modes, _transforms = _internals.torch_probes(torch)
 
 
 def _eager(*tensors):
@@ -411,14 +410,14 @@ def _nsa_compress_infer(input: torch.Tensor, weight: torch.Tensor, slot_mapping:
                         block_table: Optional[torch.Tensor], actual_seq_len: torch.Tensor,
                         cache: torch.Tensor) -> None:
     op = _INFER
-    plan = plan_infer(_INFER_RULES, _as_numpy(op, "input", input),
-                      _as_numpy(op, "weight", weight),
-                      _index_numpy(op, "slot_mapping", slot_mapping), compress_block_size,
-                      compress_stride, page_block_size,
-                      _index_numpy(op, "block_table", block_table),
-                      _index_numpy(op, "actual_seq_len", actual_seq_len), 1, "TND",
-                      _as_numpy(op, "cache", cache))
-    _dispatch.run(plan, threads=torch.get_num_threads())
+    _pipeline.call(COMPRESS_INFER, _INFER_RULES,
+                   (_as_numpy(op, "input", input), _as_numpy(op, "weight", weight),
+                    _index_numpy(op, "slot_mapping", slot_mapping), compress_block_size,
+                    compress_stride, page_block_size,
+                    _index_numpy(op, "block_table", block_table),
+                    _index_numpy(op, "actual_seq_len", actual_seq_len), 1, "TND",
+                    _as_numpy(op, "cache", cache)),
+                   threads=torch.get_num_threads())
 
 
 @_nsa_compress_infer.register_fake

@@ -72,19 +72,19 @@ def record_launch_threads():
 
     from nsa_numba import _dispatch, _threading
     seen = []
-    run_recipe, run_kept, threaded = _dispatch.launch, _dispatch.run_again, _threading.launch
+    run_recipe, run_kept, threaded = _dispatch.launch, _dispatch.run_prepared, _threading.launch
 
     def recording_recipe(recipe, *args, **kwargs):
         seen.append([None, recipe.useful])
         return run_recipe(recipe, *args, **kwargs)
 
-    def recording_kept(kept, threads, *views):          # a call that came again
-        seen.append([None, kept.recipe.useful])
+    def recording_kept(prepared, threads, *views):      # a call that came again
+        seen.append([None, prepared.useful])
 
         def entry_recorded(*args):
             seen[-1][0] = numba.get_num_threads()
-            return kept.entry(*args)
-        return run_kept(replace(kept, entry=entry_recorded), threads, *views)
+            return prepared.entry(*args)
+        return run_kept(replace(prepared, entry=entry_recorded), threads, *views)
 
     def recording_launch(kernel, threads, *args):
         def kernel_recorded(*args):
@@ -92,7 +92,7 @@ def record_launch_threads():
             return kernel(*args)
         return threaded(kernel_recorded, threads, *args)
 
-    _dispatch.launch, _dispatch.run_again = recording_recipe, recording_kept
+    _dispatch.launch, _dispatch.run_prepared = recording_recipe, recording_kept
     _threading.launch = recording_launch
     return seen
 

@@ -285,10 +285,10 @@ def test_internal_errors_become_a_status(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(aclnn._dispatch, "run", broken)
+    monkeypatch.setattr(aclnn._pipeline, "launch", broken)
     assert aclnnNsaCompressGrad(np.empty(size, np.uint8), size, executor) == ACLNN_ERR_INNER
     assert "internal error: RuntimeError: kernel exploded" in aclGetRecentErrMsg()
-    monkeypatch.setattr(aclnn, "plan_forward", broken)
+    monkeypatch.setattr(aclnn._pipeline, "plan", broken)
     assert forward_phase1(good()) == (ACLNN_ERR_INNER, 0, None)
     assert "aclnnNsaCompressGetWorkspaceSize: internal error" in aclGetRecentErrMsg()
 

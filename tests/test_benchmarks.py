@@ -14,7 +14,7 @@ sys.path.insert(0, str(ASV_DIR))
 
 from benchmarks import bench_compress as suite  # noqa: E402
 
-from nsa_numba import _dispatch, _repeat  # noqa: E402
+from nsa_numba import _dispatch, _pipeline  # noqa: E402
 from nsa_numba import bench as nsa_bench  # noqa: E402
 
 
@@ -123,8 +123,8 @@ def test_python_to_launch_stops_at_the_launch():
     measured, us = nsa_bench.python_to_launch(case, rounds=3)
     assert measured is case and set(us) == {"forward", "backward"}
     assert all(v > 0 for v in us.values())
-    entries = [e.again.entry for e in _repeat._entries.values()]
-    assert entries and all(e in _dispatch._AGAIN.values() for e in entries)   # put back
+    entries = [p.entry for p in _pipeline.prepared_calls()]
+    assert entries and all(e in _dispatch._ENTRIES.values() for e in entries)   # put back
 
 
 def test_first_call_snippet_runs():
@@ -228,10 +228,10 @@ def test_bench_allocate_command(tmp_path):
          "--dtype", "bf16", "--repeat", "2", "--no-torch", "--allocate", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "(--allocate: the calls allocate their outputs and drop them; kept outputs: off)" \
+    assert "(--allocate: the calls allocate their outputs and drop them; output pool: off)" \
         in proc.stdout
     data = json.loads(out.read_text())
-    assert data["allocate"] is True and data["kept_outputs"] == 0
+    assert data["allocate"] is True and data["pool_budget"] == 0
 
 
 def test_input_read_reads_every_word():

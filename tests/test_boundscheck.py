@@ -22,6 +22,7 @@ D = int(sys.argv[2])
 x = np.ones((64, 2, D), np.float32)
 w = np.ones((32, 2), np.float32)
 plan = plan_forward(Rules("test"), x, w, 32, 16, None, 0, "TND", None)
+plan.allocate()
 tiles = plan.tiles.copy()
 tiles[:, _tiles.NW] += 5          # five windows beyond the input's last token
 tiles[:, _tiles.I1] += 5
@@ -59,6 +60,7 @@ x = np.ones((96, 2, 64), np.float32)
 w = np.ones((32, 2), np.float32)
 g = np.ones((5, 2, 64), np.float32)
 plan = plan_grad(Rules("test"), g, x, w, 32, 16, None, 0, "TND", None, None)
+plan.allocate()
 workspace = _dispatch.new_workspace(plan)
 partials, scratch = _dispatch.carve(plan, workspace)
 # one tile of tokens 32-63 only (windows 1-3): the pairs of tokens 32-47 with 48-63,

@@ -27,14 +27,14 @@ def test_info_reports_the_setup():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
     for key in ("nsa_numba", "numba", "threading layer", "threads", "cpu", "vector path",
-                "float16 path", "kernel cache", "kept outputs"):
+                "float16 path", "kernel cache", "output pool"):
         assert key in proc.stdout
     layer = [ln for ln in proc.stdout.splitlines() if ln.startswith("threading layer")][0]
     assert layer.split()[-1] in ("tbb", "omp", "workqueue")
-    kept = [ln for ln in proc.stdout.splitlines() if ln.startswith("kept outputs")][0]
+    kept = [ln for ln in proc.stdout.splitlines() if ln.startswith("output pool")][0]
     assert "up to 1024 MiB of allocated outputs of 4 MiB or more" in kept
     off = run("info", env_extra={"NSA_NUMBA_KEEP_OUTPUTS_MB": "0"})
-    assert "kept outputs     off (every output allocated)" in off.stdout
+    assert "output pool      off (every output allocated)" in off.stdout
 
 
 def test_unknown_command_fails():

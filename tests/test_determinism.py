@@ -74,7 +74,7 @@ def test_threads_caps_the_calls_in_its_block(monkeypatch):
 
     from nsa_numba import _dispatch, _threading
     seen = []                   # Numba's thread count while each kernel ran
-    real_call, real_kept = _threading.call_with_threads, _dispatch.run_again
+    real_call, real_kept = _threading.call_with_threads, _dispatch.run_prepared
 
     def recorded(fn):
         def run(*args):
@@ -87,11 +87,11 @@ def test_threads_caps_the_calls_in_its_block(monkeypatch):
         return real_call(limit, fn if getattr(fn, "recorded", False) else recorded(fn),
                          *args)
 
-    def recording_kept(kept, threads, *views):      # a call that came again
-        return real_kept(replace(kept, entry=recorded(kept.entry)), threads, *views)
+    def recording_kept(prepared, threads, *views):      # a call that came again
+        return real_kept(replace(prepared, entry=recorded(prepared.entry)), threads, *views)
 
     monkeypatch.setattr(_threading, "call_with_threads", recording_call)
-    monkeypatch.setattr(_dispatch, "run_again", recording_kept)
+    monkeypatch.setattr(_dispatch, "run_prepared", recording_kept)
     data = random_problem(**PROBLEM, dtype=DTYPES[0])
     pool = numba.config.NUMBA_NUM_THREADS
     before = numba.get_num_threads()
@@ -152,29 +152,29 @@ FORK_WHILE_KEEPING = textwrap.dedent("""
     x = np.ones((64, 1, 16), np.float32)
     w = np.ones((32, 1), np.float32)
     nsa_numba.nsa_compress(x, w, 32, 16)
-    _plan._tables_lock.acquire()      # as if another thread were keeping tables
+    _plan._table_cache._lock.acquire()     # as if another thread were keeping tables
     pid = os.fork()
     if pid == 0:
         signal.alarm(60)              # a child stuck on the lock ends, and the test fails
         out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[20, 64])
         os._exit(0 if out.shape == (1, 1, 16) else 3)
-    _plan._tables_lock.release()
+    _plan._table_cache._lock.release()
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status))
 """)
 
 
-# the recipes of calls that come again are kept under a lock too (_repeat)
+# the prepared calls are kept under a lock too (_pipeline)
 FORK_WHILE_KEEPING_RECIPES = FORK_WHILE_KEEPING.replace(
-    "from nsa_numba import _plan", "from nsa_numba import _repeat").replace(
-    "_plan._tables_lock", "_repeat._lock")
+    "from nsa_numba import _plan", "from nsa_numba import _pipeline").replace(
+    "_plan._table_cache._lock", "_pipeline._prepared._lock")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 @pytest.mark.parametrize("script", [FORK_SCRIPT, FORK_WHILE_KEEPING,
                                     FORK_WHILE_KEEPING_RECIPES],
                          ids=["after-a-call", "while-the-tables-lock-is-held",
-                              "while-the-recipes-lock-is-held"])
+                              "while-the-prepared-calls-lock-is-held"])
 def test_forked_child_can_run_the_kernels(script):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)

@@ -23,6 +23,7 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     x = np.repeat(x, 2, axis=1)[:, ::2]       # strided input too
     plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
                         None)
+    plan.allocate()
     _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
     results = []
     for kernel in (_kernels.compress_forward, _kernels.compress_forward_rows):
@@ -90,6 +91,7 @@ def test_simd_forward_matches_rows_kernel(N, D, block, stride, seq, dtype):
     _specials(x, dtype)
     plan = plan_forward(Rules("test", strict=False), x, w, block, stride, seq, 0, "TND",
                         None)
+    plan.allocate()
     assert _simd_matches(_kernels.compress_forward_rows, plan, dtype)
 
 
@@ -104,6 +106,7 @@ def test_simd_forward_on_long_rows_matches_grouped_kernel(dtype):
     x, w, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=16)
     _specials(x, dtype)
     plan = plan_forward(Rules("test"), x, w, block, stride, seq, 0, "TND", None)
+    plan.allocate()
     assert _simd_matches(_kernels.compress_forward, plan, dtype)
     x_finite, _, _ = random_problem(seq[-1], N, D, block, stride, seq, dtype, seed=17)
     out = nsa_compress(x_finite, w, block, stride, actual_seq_len=seq)
@@ -118,6 +121,7 @@ def test_simd_forward_on_a_padded_carrier(view):
     big, w, _ = random_problem(600, 6, 128, 32, 16, [0, 600], np.float32, seed=8)
     x = big[:300, 1:5] if view == "heads" else big[::2, 1:5]
     plan = plan_forward(Rules("test"), x, w[:, 1:5], 32, 16, seq, 0, "TND", None)
+    plan.allocate()
     assert _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out")) \
         is _kernels.compress_forward_simd
     assert plan.storage("input").shape[2] > 4       # rows padded beyond the 4 heads read
@@ -138,6 +142,7 @@ def test_simd_forward_accurate(dtype):
 def test_dispatch_picks_by_row_length():
     def kernel(x, w, block=32, stride=16):
         plan = plan_forward(Rules("t"), x, w, block, stride, None, 0, "TND", None)
+        plan.allocate()
         return _dispatch.forward_kernel(plan, plan.storage("input"), plan.storage("out"))
 
     f32 = np.float32
@@ -189,6 +194,7 @@ def test_backward_vector_pairs_match_scalar(N, D, block, stride, seq, dtype):
     _specials(g, dtype)
     plan = plan_grad(Rules("test", strict=False), g, x, w, block, stride, seq, 0, "TND",
                      None, None)
+    plan.allocate()
     assert _dispatch.backward_vector(plan, plan.storage("input"), plan.storage("input_grad"))
     scalar_ig, scalar_wg = _run_backward(plan, False)
     vector_ig, vector_wg = _run_backward(plan, True)
@@ -203,6 +209,7 @@ def test_dispatch_picks_backward_vectors():
         g = np.zeros(((x.shape[0] - block) // stride + 1,) + x.shape[1:], dtype)
         plan = plan_grad(Rules("t", strict=False), g, x, w, block, stride, None, 0, "TND",
                          None, None)
+        plan.allocate()
         return _dispatch.backward_vector(plan, plan.storage("input"),
                                          plan.storage("input_grad"))
 

@@ -1,7 +1,9 @@
-"""Calls that come again (``_repeat``): a call whose signature a successful call had
-skips planning; its results and its errors must be those of the full path."""
+"""The pipeline (``_pipeline``): every operator's calls go validate -> plan ->
+allocate -> launch; a call whose signature a successful call had runs the prepared
+call and skips planning, with the full path's results and errors."""
 
 import threading
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
-from nsa_numba import NsaError, _dispatch, _repeat, _threading
+from nsa_numba import NsaError, _dispatch, _operators, _pipeline, _pool, _threading, api
 
 L, S = 32, 16
 T, N, D = 300, 4, 32
@@ -19,10 +21,11 @@ TP = 5 + 3 + 7           # windows of the three sequences
 
 @pytest.fixture
 def plans(monkeypatch):
-    """Start with nothing kept; count the calls that are planned the full way."""
-    _repeat.forget()
+    """Start with nothing kept; count the NumPy API's calls that are planned the full
+    way."""
+    _pipeline.forget()
     counted = {"forward": 0, "grad": 0}
-    real = _repeat.plan_forward, _repeat.plan_grad
+    real = _operators.COMPRESS.planner, _operators.COMPRESS_GRAD.planner
 
     def forward(*args):
         counted["forward"] += 1
@@ -32,10 +35,10 @@ def plans(monkeypatch):
         counted["grad"] += 1
         return real[1](*args)
 
-    monkeypatch.setattr(_repeat, "plan_forward", forward)
-    monkeypatch.setattr(_repeat, "plan_grad", grad)
+    monkeypatch.setattr(api, "COMPRESS", replace(_operators.COMPRESS, planner=forward))
+    monkeypatch.setattr(api, "COMPRESS_GRAD", replace(_operators.COMPRESS_GRAD, planner=grad))
     yield counted
-    _repeat.forget()
+    _pipeline.forget()
 
 
 def bits(a):
@@ -44,14 +47,15 @@ def bits(a):
 
 def full_way(fn, *args, **kwargs):
     """``fn``'s result with nothing kept, and what it keeps dropped after."""
-    saved = dict(_repeat._entries), _repeat._kept_bytes
-    _repeat.forget()
+    cache = _pipeline._prepared
+    saved = cache._items.copy(), cache._bytes
+    cache.clear()
     try:
         return fn(*args, **kwargs)
     finally:
-        _repeat.forget()
-        _repeat._entries.update(saved[0])
-        _repeat._kept_bytes = saved[1]
+        cache.clear()
+        cache._items.update(saved[0])
+        cache._bytes = saved[1]
 
 
 SEQUENCES = [(SEQ, 0), (tuple(SEQ), 0), (np.array(SEQ, np.int32), 0), ([100, 72, 128], 1),
@@ -126,7 +130,7 @@ REJECTED = [
 
 @pytest.mark.parametrize("op", ["forward", "grad"])
 @pytest.mark.parametrize("valid,change,fragment", REJECTED)
-def test_kept_signatures_keep_every_check(plans, op, valid, change, fragment):
+def test_prepared_signatures_keep_every_check(plans, op, valid, change, fragment):
     x, w, _ = good()
     call = dict(dict(compress_block_size=L, compress_stride=S, actual_seq_len=SEQ), **valid)
     y = nsa_numba.nsa_compress(x, w, **call)
@@ -141,7 +145,7 @@ def test_kept_signatures_keep_every_check(plans, op, valid, change, fragment):
     with pytest.raises(NsaError, match=fragment):
         fn(*args, **dict(call, **change), **outputs)
     assert all(np.array_equal(bits(outputs[k]), v) for k, v in before.items())
-    assert _repeat._entries                                    # the valid calls were kept
+    assert _pipeline.prepared_calls()                          # the valid calls were kept
 
 
 OVERLAPS = [
@@ -156,7 +160,7 @@ OVERLAPS = [
 
 
 @pytest.mark.parametrize("op,make,fragment", OVERLAPS)
-def test_kept_signatures_still_check_overlap(plans, op, make, fragment):
+def test_prepared_signatures_still_check_overlap(plans, op, make, fragment):
     x, w, g = good()
     outputs = make(x, w, g)
     fresh = {k: np.zeros_like(v) for k, v in outputs.items()}
@@ -191,32 +195,32 @@ def test_strictness_is_part_of_the_signature(plans):
     assert plans["forward"] == 4
 
 
-def test_non_contiguous_calls_are_not_kept(plans):
+def test_non_contiguous_calls_are_not_prepared(plans):
     rng = np.random.default_rng(2)
     for _ in range(2):
         x = rng.standard_normal((T, N, 2 * D)).astype(ml_dtypes.bfloat16)[..., ::2]
         w = rng.standard_normal((L, N)).astype(ml_dtypes.bfloat16)
         assert_forward_accurate(nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ),
                                 x, w, L, S, SEQ)
-    assert plans["forward"] == 2 and not _repeat._entries
+    assert plans["forward"] == 2 and not _pipeline.prepared_calls()
 
 
-def test_kept_signatures_are_bounded(plans):
+def test_prepared_calls_are_bounded(plans):
     w = np.zeros((L, 1), np.float32)
-    for t in range(_repeat.KEPT + 5):
+    for t in range(_pipeline.CACHED_CALLS + 5):
         nsa_numba.nsa_compress(np.zeros((L + t, 1, 16), np.float32), w, L, S)
-    assert len(_repeat._entries) == _repeat.KEPT
+    assert len(_pipeline.prepared_calls()) == _pipeline.CACHED_CALLS
 
 
-def test_kept_tile_tables_are_bounded(plans, monkeypatch):
-    monkeypatch.setattr(_repeat, "KEPT_BYTES", 64 * 80)     # 64 tiles of 80 bytes
+def test_prepared_calls_tile_tables_are_bounded(plans, monkeypatch):
+    monkeypatch.setattr(_pipeline._prepared, "max_bytes", 64 * 80)   # 64 tiles of 80 bytes
     w = np.zeros((L, 1), np.float32)
     x = np.zeros((20 * L, 1, 16), np.float32)
     for k in range(12):          # eight sequences, a tile each: 640 bytes, an eighth
         ends = [2 * L * (i + 1) + k for i in range(7)] + [20 * L]
         nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=ends)
-    kept = [e.again.recipe.tiles.nbytes for e in _repeat._entries.values()]
-    assert kept == [640] * 8 and _repeat._kept_bytes == 64 * 80     # the oldest went
+    kept = [p.constants[1].nbytes for p in _pipeline.prepared_calls()]
+    assert kept == [640] * 8 and _pipeline._prepared.nbytes == 64 * 80     # the oldest went
     big = [2 * L * (i + 1) for i in range(8)] + [20 * L]    # nine tiles: over an eighth
     for _ in range(2):
         nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=big)
@@ -242,7 +246,7 @@ def test_a_call_inside_a_call_gets_its_own_scratch(plans, monkeypatch):
     monkeypatch.setattr(_threading, "launch", launch_and_interrupt)
     got = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
     assert inner[0] is not None and all(np.array_equal(a, b) for a, b in zip(got, expected))
-    assert not _dispatch._kept.busy
+    assert not _dispatch._thread_scratch.busy
 
 
 def test_threads_keep_their_own_scratch(plans):
@@ -307,8 +311,8 @@ def test_calls_with_work_for_every_thread_launch_their_entry_directly(plans, mon
         gx, gw = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=seq)
         assert_forward_accurate(y, x, w, L, S, seq)
         assert_grad_accurate(gx, gw, g, x, w, L, S, seq)
-    kept = [e.again for e in _repeat._entries.values()]
-    assert len(kept) == 2 and all(k.recipe.useful >= numba.config.NUMBA_NUM_THREADS
+    kept = _pipeline.prepared_calls()
+    assert len(kept) == 2 and all(k.useful >= numba.config.NUMBA_NUM_THREADS
                                   and k.all_threads for k in kept)
     # the first calls', planned the full way (and, where the threading layer takes
     # no concurrent launches, every call: those all go through its lock)
@@ -329,3 +333,56 @@ def test_the_entries_overlap_check_is_numpys_on_contiguous_arrays():
             assert _apart(a, b) == (not np.may_share_memory(a, b)), (a0, a1, b0, b1)
             # across dtypes and shapes, as the entries see weights beside rows
             assert _apart(a.view(np.int16).reshape(-1, 2), b) == _apart(a, b)
+
+
+# -- one pipeline for every operator --------------------------------------------------
+
+def test_every_operator_is_registered_once():
+    assert set(_pipeline.OPERATORS) == {"forward", "grad", "infer"}
+    assert _pipeline.OPERATORS["infer"] is _operators.COMPRESS_INFER
+    with pytest.raises(ValueError, match="already registered"):
+        _pipeline.register(_operators.COMPRESS)
+
+
+def test_the_decoding_operator_goes_through_the_pipeline(monkeypatch):
+    from test_infer import paged_problem
+    x, w, slots, table, cache = paged_problem([32, 48, 64], N=2, D=16, dtype=np.float32)
+    seen = []
+    real = _operators.COMPRESS_INFER.launch
+
+    def launch(plan, workspace, threads):
+        seen.append(plan.op)
+        return real(plan, workspace, threads)
+
+    monkeypatch.setattr(api, "COMPRESS_INFER", replace(_operators.COMPRESS_INFER,
+                                                       launch=launch))
+    got = nsa_numba.nsa_compress_infer(x, w, slots, 32, 16, 64, block_table=table,
+                                       actual_seq_len=[32, 48, 64], cache=cache)
+    assert got is cache and seen == ["infer"]
+
+
+@pytest.mark.parametrize("op", ["forward", "grad"])
+def test_a_rejected_call_takes_nothing_from_the_pool(kept, monkeypatch, op):
+    # every check runs before any output is allocated: a call whose given output
+    # overlaps an input, its last check, leaves the pool as it was
+    monkeypatch.setattr(_pool, "MIN_BYTES", 0)
+    x, w, g = good(np.float32)
+    with pytest.raises(NsaError, match="overlaps"):
+        if op == "forward":
+            nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ, out=x[:TP])
+        else:
+            nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ, weight_grad=w)
+    assert _pool.stats() == (0, 0, 0)
+
+
+def test_a_prepared_call_is_one_record_built_by_keyword(plans):
+    x, w, g = good(np.float32)
+    for _ in range(2):
+        nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
+    (prepared,) = _pipeline.prepared_calls()
+    assert isinstance(prepared, _dispatch.Prepared) and prepared.op == "grad"
+    assert prepared.entry is _dispatch._ENTRIES[_dispatch._kernels.compress_backward]
+    assert prepared.allocate[3] == x.shape and prepared.allocate[4] == w.shape
+    with pytest.raises(TypeError):
+        _dispatch.Prepared(prepared.op, prepared.entry)        # keywords only
+    assert plans["grad"] == 1

@@ -13,7 +13,7 @@ import pytest
 
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
-from nsa_numba import _pool, _repeat
+from nsa_numba import _pipeline, _pool
 from test_layouts import to_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -288,9 +288,9 @@ def test_release_lets_go_of_unused_buffers_and_forgets_used_ones(kept):
     assert np.array_equal(in_use, copy)
 
 
-def test_kept_calls_and_full_calls_share_the_buffers(kept):
-    # the first call goes the full way (planned), the next ones the kept way
-    _repeat.forget()
+def test_prepared_calls_and_full_calls_share_the_buffers(kept):
+    # the first call goes the full path (planned), the next ones the fast path
+    _pipeline.forget()
     x, w, g = problem()
     addresses = set()
     for _ in range(3):

@@ -226,11 +226,11 @@ def test_kept_tables_keep_the_checks():
     with pytest.raises(nsa_numba.NsaError, match="no sequence is as long"):
         _plan(x, w, [20, 40, 60])
     from nsa_numba import _plan as plan_module
-    kept = len(plan_module._tables_kept)
+    kept = len(plan_module._table_cache)
     for bad in ([20, 10, 60], [20, 40, 61], [-1, 60], [20.0, 60]):
         with pytest.raises(nsa_numba.NsaError):
             _plan(x, w, bad, strict=False)
-    assert len(plan_module._tables_kept) == kept      # rejected values are never kept
+    assert len(plan_module._table_cache) == kept      # rejected values are never kept
 
 
 def test_kept_tables_are_bounded():
@@ -238,9 +238,9 @@ def test_kept_tables_are_bounded():
     _fresh_tables()
     x = np.zeros((400, 1, 16), np.float32)
     w = np.zeros((L, 1), np.float32)
-    for end in range(plan_module.TABLES_KEPT + 10):
+    for end in range(plan_module.TABLE_CACHE_ENTRIES + 10):
         _plan(x, w, [end, 400])
-    assert len(plan_module._tables_kept) == plan_module.TABLES_KEPT
+    assert len(plan_module._table_cache) == plan_module.TABLE_CACHE_ENTRIES
 
 
 def test_big_tables_are_not_kept():
@@ -253,5 +253,5 @@ def test_big_tables_are_not_kept():
     many = _plan(x, w, ends, strict=False)
     assert _plan(x, w, [20000, 40000]).tiles is few.tiles
     assert _plan(x, w, ends, strict=False).tiles is not many.tiles
-    assert len(plan_module._tables_kept) == 1
-    assert plan_module._tables_bytes <= plan_module.TABLES_KEPT_BYTES // 8
+    assert len(plan_module._table_cache) == 1
+    assert plan_module._table_cache.nbytes <= plan_module.TABLE_CACHE_BYTES // 8

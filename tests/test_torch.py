@@ -138,7 +138,7 @@ def test_calls_use_at_most_torchs_thread_count():
 
     from ddp_train import record_launch_threads
     from nsa_numba import _dispatch, _threading
-    real = _dispatch.launch, _dispatch.run_again, _threading.launch
+    real = _dispatch.launch, _dispatch.run_prepared, _threading.launch
     seen = record_launch_threads()
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(4096, 4, 32, generator=gen).to(torch.bfloat16)   # work for 2 threads
@@ -155,7 +155,7 @@ def test_calls_use_at_most_torchs_thread_count():
                           *npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq))
     finally:
         torch.set_num_threads(before)
-        _dispatch.launch, _dispatch.run_again, _threading.launch = real
+        _dispatch.launch, _dispatch.run_prepared, _threading.launch = real
     assert len(seen) == 4 and all(useful >= 2 for _, useful in seen), seen
     assert [ran for ran, _ in seen] == [1, 1, min(2, pool), min(2, pool)]
     assert numba.get_num_threads() == pool          # restored after each call

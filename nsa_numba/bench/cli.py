@@ -75,7 +75,7 @@ def main(args):
               "the call's time is its Python work after the cache flush)")
     if args.allocate:
         budget = _pool.keep_outputs()
-        print("(--allocate: the calls allocate their outputs and drop them; kept outputs: "
+        print("(--allocate: the calls allocate their outputs and drop them; output pool: "
               + (f"up to {budget >> 20} MiB" if budget else "off") + ")")
     if args.plot:
         from llvmlite import binding
@@ -86,7 +86,7 @@ def main(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, copy_bytes=copy[1], repeat=args.repeat,
-                           allocate=args.allocate, kept_outputs=_pool.keep_outputs(),
+                           allocate=args.allocate, pool_budget=_pool.keep_outputs(),
                            results=results), f, indent=2)
     return 0
 
@@ -213,7 +213,7 @@ def add_arguments(parser):
                              "without the call's Python work")
     parser.add_argument("--allocate", action="store_true",
                         help="the calls allocate their outputs, as under autograd, instead "
-                             "of writing into given ones (kept outputs make that as fast: "
+                             "of writing into given ones (the output pool makes that as fast: "
                              "NSA_NUMBA_KEEP_OUTPUTS_MB=0 shows it without)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", nargs="+", metavar="JSON",

@@ -8,8 +8,9 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from .. import _dispatch, _repeat, api
-from .._plan import Rules, plan_forward, plan_grad
+from .. import _dispatch, _pipeline, api
+from .._operators import COMPRESS, COMPRESS_GRAD
+from .._plan import Rules
 from .cases import (DEFAULT_SHAPES, INFER_CASES, INFER_WINDOW, OVERHEAD_SHAPE, Case,
                     infer_problem, make_data)
 from .harness import CacheFlush, best_time, input_read_task, round_times
@@ -49,8 +50,9 @@ def torch_baseline(case, x, w, g, seq, repeat):
 def prepared_launches(x, w, g, out, dx, dw, l, d, seq):
     """(forward, backward): the kernel launches of the two calls with their planning
     and the rest of their Python work done beforehand (``_dispatch.prepare``)."""
-    fwd = plan_forward(Rules("nsa_compress"), x, w, l, d, seq, 0, "TND", out)
-    bwd = plan_grad(Rules("nsa_compress_grad"), g, x, w, l, d, seq, 0, "TND", dx, dw)
+    fwd = _pipeline.plan(COMPRESS, Rules("nsa_compress"), (x, w, l, d, seq, 0, "TND", out))
+    bwd = _pipeline.plan(COMPRESS_GRAD, Rules("nsa_compress_grad"),
+                         (g, x, w, l, d, seq, 0, "TND", dx, dw))
     return (_dispatch.prepare(fwd, _dispatch.new_workspace(fwd)),
             _dispatch.prepare(bwd, _dispatch.new_workspace(bwd)))
 
@@ -185,7 +187,7 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
     """Medians of the microseconds a call that comes again spends in Python before its
     kernel launch, after a cache flush (NumPy API, forward and backward, ``case``:
     bench's first shape in bf16). The call stops where it would launch: Numba's
-    dispatch and the compiled code (the kept call's entry, ``_kernels``) are not run,
+    dispatch and the compiled code (the prepared call's entry, ``_kernels``) are not run,
     so what is timed is the Python work alone, which ``--split`` can only show as the
     noisy difference of two timings. The stop stands in for the kept calls' entries
     meanwhile: for bench's own process only, where no other thread calls the
@@ -207,9 +209,10 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
         stamps.append(time.perf_counter_ns())
         return True                            # as if it ran: no full way after it
 
-    kept = dict(_repeat._entries)
-    for key, entry in kept.items():
-        _repeat._entries[key] = replace(entry, again=replace(entry.again, entry=stop))
+    cache = _pipeline._prepared
+    kept = cache.items()
+    for key, prepared in kept:
+        cache.replace(key, replace(prepared, entry=stop))
     try:
         for _ in range(rounds):
             for name, fn in calls.items():
@@ -218,7 +221,8 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
                 fn()
                 times[name].append((stamps[-1] - start) / 1e3)
     finally:
-        _repeat._entries.update(kept)
+        for key, prepared in kept:
+            cache.replace(key, prepared)
     return case, {name: float(np.median(t)) for name, t in times.items()}
 
 

@@ -1,0 +1,98 @@
+"""The library's caches: bounded in entries and in bytes, safe across threads and
+emptied in forked children.
+
+Two use it: the prepared-call cache of ``_pipeline`` (calls that come again) and
+the planner's tile tables (``_plan``). Neither holds arrays of the caller: only
+what checking and planning derived from an argument's types, shapes, strides and
+sequence values.
+"""
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+
+_all = weakref.WeakSet()        # every cache, for the fork handler
+
+
+class BoundedCache:
+    """A mapping from hashable keys to values with a size in bytes, holding at most
+    ``entries`` values and ``nbytes`` bytes; the least recently used go first. A
+    value larger than ``nbytes // 8`` is not kept (what needs that much is slow to
+    call anyway). ``None`` is never a key: ``get(None)`` is None."""
+
+    def __init__(self, entries, nbytes):
+        self.max_entries = entries
+        self.max_bytes = nbytes
+        self._items = OrderedDict()      # key -> (value, bytes)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        _all.add(self)
+
+    def get(self, key):
+        """The value kept under ``key``, or None; a hit becomes the most recent."""
+        if key is None:
+            return None
+        item = self._items.get(key)
+        if item is None:
+            return None
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key, value, nbytes):
+        """Keep ``value`` (of ``nbytes``) under ``key`` unless the key is None, the
+        value too large, or another thread kept one under the same key first."""
+        if key is None or nbytes > self.max_bytes // 8:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = (value, nbytes)
+            self._bytes += nbytes
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                self._bytes -= self._items.popitem(last=False)[1][1]
+
+    def clear(self):
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def __len__(self):
+        return len(self._items)
+
+    @property
+    def nbytes(self):
+        return self._bytes
+
+    def values(self):
+        with self._lock:
+            return [value for value, _ in self._items.values()]
+
+    def items(self):
+        """(key, value) pairs, oldest first."""
+        with self._lock:
+            return [(key, value) for key, (value, _) in self._items.items()]
+
+    def replace(self, key, value):
+        """Put ``value`` in place of what ``key`` holds (same size), if anything."""
+        with self._lock:
+            if key in self._items:
+                self._items[key] = (value, self._items[key][1])
+
+    def _after_fork(self):
+        """In a forked child: a new lock (another thread may have held the parent's
+        at the fork, halfway through a change) and nothing kept."""
+        self._lock = threading.Lock()
+        self._items = OrderedDict()
+        self._bytes = 0
+
+
+def _after_fork():
+    for cache in list(_all):
+        cache._after_fork()
+
+
+if hasattr(os, "register_at_fork"):      # POSIX
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,36 @@
+"""The operators, registered with the pipeline (``_pipeline``).
+
+An operator is its rules and planner (the checks and the plan: ``_plan`` for the
+training compress pair, ``_infer`` for the with-cache operator), its kernels
+(``_kernels``) and their launch (``_dispatch``), put together here. Adding one means
+writing those, and a record below; nothing else in the call path changes
+(docs/design.md, "Adding an operator").
+"""
+
+from . import _dispatch
+from ._infer import plan_infer
+from ._pipeline import Operator, register
+from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
+
+#: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
+#: actual_seq_len, actual_seq_len_type, layout, out) -> out
+COMPRESS = register(Operator(
+    name="forward", planner=plan_forward, launch=_dispatch.run_compress,
+    results=lambda plan: plan.arrays["out"],
+    signature=forward_signature, fast=_dispatch.forward_again,
+    prepare=_dispatch.prepare_forward))
+
+#: nsa_compress_grad (aclnnNsaCompressGrad): args (grad, input, weight, block,
+#: stride, actual_seq_len, actual_seq_len_type, layout, input_grad, weight_grad)
+#: -> (input_grad, weight_grad)
+COMPRESS_GRAD = register(Operator(
+    name="grad", planner=plan_grad, launch=_dispatch.run_compress,
+    results=lambda plan: (plan.arrays["input_grad"], plan.arrays["weight_grad"]),
+    signature=grad_signature, fast=_dispatch.grad_again, prepare=_dispatch.prepare_grad))
+
+#: nsa_compress_infer (aclnnNsaCompressWithCache): args (input, weight,
+#: slot_mapping, block, stride, page, block_table, actual_seq_len,
+#: actual_seq_len_type, layout, cache) -> cache
+COMPRESS_INFER = register(Operator(
+    name="infer", planner=plan_infer, launch=_dispatch.run_infer,
+    results=lambda plan: plan.arrays["cache"]))

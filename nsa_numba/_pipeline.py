@@ -1,0 +1,112 @@
+"""One path for every call of every operator: validate -> plan -> allocate -> launch.
+
+An operator is an :class:`Operator` record, registered once (``_operators``): its
+planner checks every argument and returns a plan (nothing allocated, nothing
+written); the pipeline then allocates the outputs the caller left to it (from the
+output pool, ``_pool``) and has the operator launch its kernels. The NumPy API, the
+PyTorch bridge and the aclnn mirror all call through here; the aclnn mirror splits
+the path where its two phases do (:func:`plan`, then :func:`launch` with the
+caller's workspace).
+
+Calls that come again
+---------------------
+A model calls each operator once per layer and step with new arrays of the same
+shapes, dtypes and sequence lengths. An operator may give a *signature*: everything
+its checks read of a call (types, dtypes, shapes, strides, writability, the integers
+and sequence values; never the contents), exactly, or None where equality would not
+mean the same checks. After a call succeeds, the operator's ``prepare`` makes a
+prepared call (``_dispatch.Prepared``), kept under the signature in the prepared-call
+cache; a later call with the same signature passes the same checks and gets the
+same plan, so the operator's ``fast`` path runs the prepared call on the new arrays
+(which checks in machine code that the outputs share no memory with the inputs).
+Anything else, and any overlap, goes the full path, which also raises every error:
+a prepared call only ever answers arguments that passed. Operators without a
+signature always take the full path.
+"""
+
+from dataclasses import dataclass
+
+from ._cache import BoundedCache
+
+#: most prepared calls kept, and most bytes of tile tables they may hold
+CACHED_CALLS = 256
+CACHED_BYTES = 8 << 20
+
+_prepared = BoundedCache(CACHED_CALLS, CACHED_BYTES)
+
+#: registered operators, by name (``Operator.name``, also each plan's ``op``)
+OPERATORS = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Operator:
+    """What the pipeline needs of an operator. Every function takes the operator's
+    arguments in its planner's order (``args``)."""
+    name: str
+    #: (rules, *args) -> a plan: every check, no allocation; NsaError if invalid
+    planner: object
+    #: (plan, workspace or None, threads or None) -> what ``prepare`` takes
+    launch: object
+    #: plan -> what the call returns
+    results: object
+    #: (rules, *args) -> hashable signature or None (optional: the fast path)
+    signature: object = None
+    #: (prepared, threads, *args) -> the results, or None to go the full path
+    fast: object = None
+    #: (plan, launched, *args) -> (prepared call, bytes it holds), or None
+    prepare: object = None
+
+
+def register(operator):
+    """Make ``operator`` callable through the pipeline (once, at import)."""
+    if operator.name in OPERATORS:
+        raise ValueError(f"operator {operator.name!r} is already registered")
+    OPERATORS[operator.name] = operator
+    return operator
+
+
+def call(operator, rules, args, threads=None, known=True):
+    """Run ``operator`` on ``args`` checked by ``rules`` and return its results:
+    through a prepared call when the call's signature has one, else the full path
+    (and prepared for next time). ``threads``: at most this many threads (None:
+    Numba's count for the calling thread). ``known``: whether ``rules`` lives as long
+    as the process (signatures name it by its id)."""
+    signature = operator.signature(rules, *args) if known and operator.signature else None
+    prepared = _prepared.get(signature)
+    if prepared is not None:
+        results = operator.fast(prepared, threads, *args)
+        if results is not None:
+            return results
+    plan = operator.planner(rules, *args)
+    plan.allocate()
+    launched = operator.launch(plan, None, threads)
+    if signature is not None:
+        made = operator.prepare(plan, launched, *args)
+        if made is not None:
+            _prepared.put(signature, *made)
+    return operator.results(plan)
+
+
+def plan(operator, rules, args):
+    """The first half of the path (aclnn's phase one): the checked plan with its
+    outputs allocated."""
+    checked = operator.planner(rules, *args)
+    checked.allocate()
+    return checked
+
+
+def launch(checked, workspace=None, threads=None):
+    """The second half (aclnn's phase two): launch ``checked``'s kernels in
+    ``workspace`` (a writable C-contiguous uint8 array of at least its
+    ``workspace_bytes``; None: this thread's kept scratch)."""
+    OPERATORS[checked.op].launch(checked, workspace, threads)
+
+
+def forget():
+    """Drop every prepared call (tests start from none)."""
+    _prepared.clear()
+
+
+def prepared_calls():
+    """The prepared calls kept, oldest first (for tests and ``bench --overhead``)."""
+    return _prepared.values()
