@@ -45,7 +45,7 @@ PY_NAMES = {
     "block": "compress_block_size", "stride": "compress_stride",
     "page": "page_block_size", "block_table": "block_table",
     "actual_seq_len": "actual_seq_len", "layout": "layout", "cache": "cache",
-    "actual_seq_len_type": "actual_seq_len_type",
+    "actual_seq_len_type": "actual_seq_len_type", "strict": "strict",
 }
 
 #: the NPU's documented limits (strict mode)
@@ -183,7 +183,8 @@ def _check_heads(rules, N, D):
 def _check_layout(rules, layout):
     if layout is None or (isinstance(layout, str) and layout == "TND"):
         return
-    raise tiling(rules.op, f"{rules.names['layout']} must be 'TND' (or None) without a "
+    layout_name = rules.names.get("layout", "layout")
+    raise tiling(rules.op, f"{layout_name} must be 'TND' (or None) without a "
                            f"{rules.names['block_table']}, got {layout!r}")
 
 
@@ -288,8 +289,8 @@ def _raise_for(rules, code, at, other, block, lengths, slots, table, page, total
     if code == _REPEATED:
         raise invalid(op, f"{slot_name} gives cache row {slots[at]} to sequences {other} and "
                           f"{at}, which both write at this step; rows must not repeat among "
-                          f"writing sequences (the NPU's result is then unstable; strict=False "
-                          f"keeps the last)")
+                          f"writing sequences (the NPU's result is then unstable"
+                          f"{'; strict=False keeps the last' if 'strict' in names else ''})")
     raise AssertionError(f"unknown writer-table code {code}")
 
 
@@ -309,7 +310,8 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
         _int(rules, "page", page)
     seq_type = _int(rules, "actual_seq_len_type", seq_type)
     if seq_type != _seqlens.LENGTHS:
-        raise tiling(op, f"{names['actual_seq_len_type']} must be 1 (per-sequence lengths, "
+        type_name = names.get("actual_seq_len_type", "actual_seq_len_type")
+        raise tiling(op, f"{type_name} must be 1 (per-sequence lengths, "
                          f"the only kind this operator takes), got {seq_type}")
     _check_window(rules, block, stride, page)
     paged = block_table is not None
@@ -344,9 +346,11 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
         raise invalid(op, f"{names['cache']} must be writable, got a read-only array")
     pages = x.shape[0] if paged else 1
     if rules.strict and paged and cache.shape[0] * stride <= pages * page - block:
+        bound = (pages * page - block) / stride
         raise tiling(op, f"{names['cache']} must have more than (block_num * {names['page']} "
                          f"- {names['block']}) / {names['stride']} = ({pages} * {page} - "
-                         f"{block}) / {stride} rows, got {cache.shape[0]}")
+                         f"{block}) / {stride} = {bound:g} rows (at least "
+                         f"{(pages * page - block) // stride + 1}), got {cache.shape[0]}")
     slots = _indices(rules, "slot_mapping", slot_mapping, 1)
     if rules.strict and slots.size == 0:
         raise invalid(op, f"{names['slot_mapping']} must not be empty (one cache row per "

@@ -109,8 +109,16 @@ PY_NAMES = {
     "input_grad": "input_grad", "weight_grad": "weight_grad",
     "block": "compress_block_size", "stride": "compress_stride",
     "actual_seq_len": "actual_seq_len", "actual_seq_len_type": "actual_seq_len_type",
-    "layout": "layout",
+    "layout": "layout", "strict": "strict",
 }
+#: the parameters only some entry points have: a message mentions one only when the
+#: entry point's ``Rules.names`` has it (the torch functions take none of them)
+OPTIONAL_NAMES = ("layout", "actual_seq_len_type", "strict")
+
+
+def without_options(names, *keep):
+    """``names`` without the optional parameters (``OPTIONAL_NAMES``) but ``keep``."""
+    return {k: v for k, v in names.items() if k not in OPTIONAL_NAMES or k in keep}
 
 
 @dataclass(frozen=True)
@@ -230,7 +238,7 @@ def weight_storage(weight, storage):
 # -- argument checks -------------------------------------------------------------
 
 def check_int(rules, key, value):
-    return _seqlens.as_int64(rules.op, rules.names[key], value)
+    return _seqlens.as_int64(rules.op, rules.names.get(key, key), value)
 
 
 def check_array(rules, key, a, ndim, dims):
@@ -316,7 +324,7 @@ def _check_window(rules, block, stride):
 
 
 def _check_layout(rules, layout):
-    name = rules.names["layout"]
+    name = rules.names.get("layout", "layout")
     if layout is None:
         return LAYOUTS["TND"]
     if not isinstance(layout, str):
@@ -332,8 +340,9 @@ def _check_layout(rules, layout):
 def _check_seq_type(rules, seq_type):
     value = check_int(rules, "actual_seq_len_type", seq_type)
     if value not in (_seqlens.CUMULATIVE, _seqlens.LENGTHS):
-        raise invalid(rules.op, f"{rules.names['actual_seq_len_type']} must be 0 "
-                                f"(cumulative ends) or 1 (per-sequence lengths), got {value}")
+        name = rules.names.get("actual_seq_len_type", "actual_seq_len_type")
+        raise invalid(rules.op, f"{name} must be 0 (cumulative ends) or 1 (per-sequence "
+                                f"lengths), got {value}")
     return value
 
 
@@ -360,7 +369,7 @@ def _check_input_and_weight(rules, layout, x, weight, block):
     B, S, N, D = layout.sizes(x.shape, heads)
     if rules.strict and D % 16:
         raise invalid(rules.op, f"{xname} head dim D must be a multiple of 16, got {D} "
-                                f"(shape {x.shape} with {_layout_is(rules, layout)})")
+                                f"(shape {x.shape}{_with_layout(rules, layout)})")
     if weight.shape != (block, N):
         raise invalid(rules.op, f"{wname} must have shape ({rules.names['block']}, N) = "
                                 f"({block}, {N}), got {weight.shape}")
@@ -527,14 +536,23 @@ def scratch_slots():
 # -- the two planners ------------------------------------------------------------
 
 def _layout_is(rules, layout):
-    return f"{rules.names['layout']}={layout.name!r}"
+    return f"{rules.names.get('layout', 'layout')}={layout.name!r}"
+
+
+def _with_layout(rules, layout):
+    """" with layout='TND'" where the entry point takes a layout, else nothing."""
+    return f" with {_layout_is(rules, layout)}" if "layout" in rules.names else ""
 
 
 def _dims(rules, layout):
+    if "layout" not in rules.names:
+        return f"[{layout.dims}]"
     return f"[{layout.dims}] ({_layout_is(rules, layout)})"
 
 
 def _window_dims(rules, layout):
+    if "layout" not in rules.names:
+        return f"[{layout.dims}] (windows in place of tokens)"
     return f"[{layout.dims}] ({_layout_is(rules, layout)}, windows in place of tokens)"
 
 

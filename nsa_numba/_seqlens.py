@@ -91,7 +91,7 @@ def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
     ``names`` maps ``"actual_seq_len"`` and ``"actual_seq_len_type"`` to the
     parameter names of the calling API, for the messages.
     """
-    name, type_name = names["actual_seq_len"], names["actual_seq_len_type"]
+    name, type_name = names["actual_seq_len"], names.get("actual_seq_len_type")
     if actual_seq_len is None:
         return np.array([0, total_tokens], dtype=np.int64)
     values = as_int_vector(op, name, actual_seq_len)
@@ -102,16 +102,17 @@ def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
         raise invalid(op, f"{name} values must be >= 0, got {int(values[bad])} at index {bad}")
     if seq_len_type == CUMULATIVE:
         ends = values
+        kind = f"{type_name}=0: cumulative ends" if type_name else "cumulative ends"
         drops = np.flatnonzero(np.diff(ends) < 0)
         if drops.size:
             i = int(drops[0]) + 1
-            raise invalid(op, f"{name} ({type_name}=0: cumulative ends) must be "
-                              f"non-decreasing, got {int(ends[i])} at index {i} after "
-                              f"{int(ends[i - 1])}: {_show(ends)}")
+            raise invalid(op, f"{name} ({kind}) must be non-decreasing, got {int(ends[i])} "
+                              f"at index {i} after {int(ends[i - 1])}: {_show(ends)}"
+                              f"{_lengths_hint(values, total_tokens, type_name)}")
         if ends[-1] != total_tokens:
-            raise invalid(op, f"{name} ({type_name}=0: cumulative ends) must end at "
-                              f"T = {total_tokens} (input.shape[0]), got last value "
-                              f"{int(ends[-1])}: {_show(ends)}")
+            raise invalid(op, f"{name} ({kind}) must end at T = {total_tokens} "
+                              f"(input.shape[0]), got last value {int(ends[-1])}: "
+                              f"{_show(ends)}{_lengths_hint(values, total_tokens, type_name)}")
     else:
         too_long = np.flatnonzero(values > total_tokens)
         total = None if too_long.size else int(values.sum())  # no overflow: each <= T
@@ -122,6 +123,17 @@ def sequence_offsets(op, actual_seq_len, seq_len_type, total_tokens, names):
                               f"{_show(values)}")
         ends = np.cumsum(values)
     return np.concatenate(([0], ends)).astype(np.int64)
+
+
+def _lengths_hint(values, total_tokens, type_name):
+    """What to do when cumulative ends were expected and ``values`` look like
+    per-sequence lengths instead (they sum to T), or ""."""
+    if values.size < 2 or int(values.sum()) != total_tokens:
+        return ""
+    ends = _show(np.cumsum(values))
+    other = f", or pass {type_name}=1" if type_name else ""
+    return (f"; these look like per-sequence lengths (they sum to T = {total_tokens}): "
+            f"the cumulative ends of those lengths are {ends}{other}")
 
 
 def window_counts(lengths, block, stride):

@@ -277,7 +277,7 @@ INVALID = [
                                                   (64, 4, 32))),
      ACLNN_ERR_PARAM_INVALID, ["cache", "read-only"]),
     ("cache-too-short", dict(cache=np.zeros((20, 4, 32), np.float16)),
-     ACLNN_ERR_INNER_TILING_ERROR, ["cache", "more than", "rows, got 20"]),
+     ACLNN_ERR_INNER_TILING_ERROR, ["cache", "more than", "rows (at least 23), got 20"]),
     ("block-not-16", dict(block=40), ACLNN_ERR_INNER_TILING_ERROR,
      ["compress_block_size", "multiple of 16", "40"]),
     ("block-over-64", dict(block=80), ACLNN_ERR_INNER_TILING_ERROR,
