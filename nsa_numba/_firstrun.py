@@ -23,7 +23,6 @@ _PACKAGE = __name__.rsplit(".", 1)[0]
 
 _enabled = not _config.quiet()
 _said_where = False
-_said_helpers = False
 #: the dtypes the kernels see arrays of each kind as (``_plan.STORAGE``), by the
 #: Numba name of that storage type: how a compile message names the call's dtype
 _KIND_OF_STORAGE = {"uint16": "float16", "int16": "bfloat16", "float32": "float32",
@@ -64,26 +63,23 @@ class _Listener(event.Listener):
 
 
 def _dtype_of(args):
-    """The dtype of the call a kernel compiles for: that of its first array argument
-    (the kernels take every array of a call in one storage type), or None."""
-    for arg in args:
-        dtype = getattr(arg, "dtype", None)
-        if getattr(arg, "ndim", 0) and dtype is not None:
-            return _KIND_OF_STORAGE.get(str(dtype))
-    return None
+    """The dtype of the call a kernel compiles for, from its array arguments' storage
+    types: a half-precision one where any is (the accumulators beside it are float32),
+    else the first array's; None without arrays."""
+    kinds = [_KIND_OF_STORAGE.get(str(arg.dtype)) for arg in args
+             if getattr(arg, "ndim", 0) and getattr(arg, "dtype", None) is not None]
+    half = [k for k in kinds if k in ("float16", "bfloat16")]
+    return half[0] if half else (kinds[0] if kinds else None)
 
 
 def _announce(name, dtype):
-    """One line for kernel ``name`` compiling for ``dtype`` (the planning helpers: one
-    line in all)."""
-    global _said_where, _said_helpers
+    """One line for kernel ``name`` compiling for ``dtype``, or for planning helper
+    ``name``; the first line of a process also says where the code is kept."""
+    global _said_where
     if name.startswith(("compress_", "reduce_")):
         what = f"the kernel {name}" + (f" for {dtype}" if dtype is not None else "")
-    elif _said_helpers:
-        return
     else:
-        _said_helpers = True
-        what = "the planning helpers"
+        what = f"the planning helper {name}"
     if _said_where:
         print(f"nsa_numba: compiling {what}", file=sys.stderr, flush=True)
         return

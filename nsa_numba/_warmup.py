@@ -33,6 +33,14 @@ _VIEWS = {"every-other-element": lambda a: np.repeat(a, 2, axis=-1)[..., ::2],
           "reversed-tokens": lambda a: np.ascontiguousarray(a[::-1])[::-1]}
 
 
+def _contracted(g):
+    """``g`` laid out as autograd hands over the gradient of a contraction's operand
+    (``einsum``, ``matmul``): the same values, the axes in another memory order (here
+    windows innermost, strides like (1, D * T', T')), a variant of its own for the
+    backward kernel."""
+    return np.ascontiguousarray(g.transpose(1, 2, 0)).transpose(2, 0, 1)
+
+
 def _steps(dtype, strided):
     """(op, label, function) triples that between them reach every kernel for
     ``dtype`` on C-contiguous arrays (and with ``strided``, on the views of _VIEWS)."""
@@ -53,8 +61,9 @@ def _steps(dtype, strided):
         for _ in range(2):
             api.nsa_compress(x, w, 32, 16, actual_seq_len=seq, strict=False)
 
-    def backward(T, N, D, view=lambda a: a):
+    def backward(T, N, D, view=lambda a: a, grad_view=lambda a: a):
         x, w, g, seq = problem(T, N, D, view)
+        g = grad_view(g)
         for _ in range(2):
             api.nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq, strict=False)
 
@@ -73,6 +82,8 @@ def _steps(dtype, strided):
         ("forward", "forward, other rows", lambda: forward(96, 2, 20)),
         ("forward", "forward, long rows", lambda: forward(64, 32, 256)),
         ("backward", "backward, vector rows", lambda: backward(96, 2, 2 * width)),
+        ("backward", "backward, contraction's gradient",
+         lambda: backward(96, 2, 2 * width, grad_view=_contracted)),
         ("decoding", "decoding step, one thread", lambda: decode(2, False)),
         ("decoding", "decoding step, threads", lambda: decode(64, True)),
     ]
@@ -80,7 +91,9 @@ def _steps(dtype, strided):
         for name, view in _VIEWS.items():
             steps += [("forward", f"forward, {name}", lambda v=view: forward(96, 2, 64, v)),
                       ("backward", f"backward, {name}",
-                       lambda v=view: backward(96, 2, 64, v))]
+                       lambda v=view: backward(96, 2, 64, v)),
+                      ("backward", f"backward, {name}, contraction's gradient",
+                       lambda v=view: backward(96, 2, 64, v, _contracted))]
     return steps
 
 

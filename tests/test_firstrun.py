@@ -32,6 +32,25 @@ for writers in (1, 40):
                                  actual_seq_len=[64] * writers, cache=cache, strict=False)
 """
 
+# a first training step through torch (eager), as a user writes one: keys compressed
+# from a slice of a projection, attention-shaped contractions whose gradients reach the
+# backward in their own memory order, a float32 loss over bfloat16 values
+TORCH_STEP = """
+import torch
+from nsa_numba.torch import npu_nsa_compress
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    for step in range(2):
+        qkv = torch.randn(200, 3, 2, 64, dtype=dtype, requires_grad=True)
+        q, k = qkv[:, 0], qkv[:, 1]                      # views, as a split makes them
+        w = torch.randn(32, 2, dtype=dtype, requires_grad=True)
+        kc = npu_nsa_compress(k, w, 32, 16, actual_seq_len=[0, 80, 200])
+        s = torch.einsum("thd,khd->htk", q, kc).float().softmax(-1)
+        (s @ kc.float().transpose(0, 1)).sum().backward()
+        kc2 = npu_nsa_compress(k.contiguous(), w, 32, 16, actual_seq_len=[0, 80, 200])
+        torch.matmul(q.transpose(0, 1), kc2.permute(1, 2, 0)).float().square().sum().backward()
+"""
+
 FORWARD = """
 import numpy as np
 import nsa_numba
@@ -56,8 +75,12 @@ def cold(tmp_path):
 
 def test_a_cold_cache_says_what_compiles_once(cold, tmp_path):
     first = cold(code=FORWARD).stderr.splitlines()
-    assert first[0].startswith("nsa_numba: compiling the planning helpers (once per machine,"
-                               f" kept in {tmp_path / 'cache'}")
+    assert first[0].startswith("nsa_numba: compiling the planning helper ")
+    assert f"(once per machine, kept in {tmp_path / 'cache'}" in first[0]
+    # the explanation once, and every line names what compiles
+    assert all("once per machine" not in line for line in first[1:])
+    assert all(line.startswith(("nsa_numba: compiling the planning helper ",
+                                "nsa_numba: compiling the kernel ")) for line in first)
     assert "NSA_NUMBA_QUIET=1" in first[0] and "python -m nsa_numba warmup" in first[0]
     assert any(line.startswith("nsa_numba: compiling the kernel compress_forward")
                and line.endswith(" for float32") for line in first[1:])
@@ -72,8 +95,18 @@ def test_warmup_compiles_what_calls_need(cold):
     proc = cold("warmup", "--dtype", "fp32", "--strided")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
-    # 6 steps on contiguous arrays, 4 on strided views
-    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/10]" for i in range(1, 11)]
+    # 7 steps on contiguous arrays, 6 on strided views
+    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/13]" for i in range(1, 14)]
     assert lines[-1].startswith("done in ") and lines[-1].endswith(" s")
     assert proc.stderr == ""
     assert cold(code=USER_CALLS).stderr == ""           # nothing left to compile
+
+
+def test_warmup_covers_a_torch_training_step(cold):
+    # warmup as the README says, then a first training step: nothing left to compile
+    # (the backward's gradients come from contractions, in their own memory order)
+    pytest.importorskip("torch")
+    proc = cold("warmup", "--dtype", "bf16", "--dtype", "fp32", "--strided")
+    assert proc.stderr == ""
+    step = cold(code=TORCH_STEP)
+    assert step.stderr == "", step.stderr
