@@ -12,6 +12,8 @@ _FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
 #: inline in each function: after a cache flush a helper call costs microseconds)
 _RULES = {(op, strict): Rules(op, strict=strict) for op in (_FORWARD, _GRAD)
           for strict in (False, True)}
+_INFER = "nsa_compress_infer"
+_INFER_RULES = {strict: infer_rules(_INFER, strict=strict) for strict in (False, True)}
 
 
 def nsa_compress(input, weight, compress_block_size, compress_stride, *,
@@ -138,6 +140,7 @@ def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compres
         rejects) or 161002 (anything else: dtypes, shapes, lengths past the block
         table or past T, block or slot indices out of range). Nothing is written then.
     """
-    return _pipeline.call(COMPRESS_INFER, infer_rules("nsa_compress_infer", strict=strict),
+    rules = _INFER_RULES.get(strict) if type(strict) is bool else None
+    return _pipeline.call(COMPRESS_INFER, rules or infer_rules(_INFER, strict=strict),
                           (input, weight, slot_mapping, compress_block_size, compress_stride,
                            page_block_size, block_table, actual_seq_len, 1, layout, cache))

@@ -37,25 +37,29 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version as _increment_version
 
 from . import _internals, _pipeline, _seqlens
 from ._errors import invalid, missing
+from ._infer import PY_NAMES as INFER_NAMES
 from ._infer import infer_rules
 from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
-from ._plan import Rules
+from ._plan import PY_NAMES, Rules, without_options
 
-__all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer"]
+__all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer",
+           "pad_sequence_ends"]
 
 _FORWARD = "npu_nsa_compress"
 _GRAD = "npu_nsa_compress_grad"
 _INFER = "npu_nsa_compress_infer"
-_INFER_RULES = infer_rules(_INFER)
 #: the checks of the NumPy API, with torch_npu's function names (its argument names
-#: are the NumPy API's) and no layouts beyond TND
-_RULES = {op: Rules(op) for op in (_FORWARD, _GRAD)}
+#: are the NumPy API's) and none of its options (layout, sequence-length type,
+#: strict): the messages name only what the torch functions take
+_INFER_RULES = infer_rules(_INFER, names=without_options(INFER_NAMES))
+_RULES = {op: Rules(op, names=without_options(PY_NAMES)) for op in (_FORWARD, _GRAD)}
 _DTYPES = {torch.float16: None, torch.bfloat16: None, torch.float32: None,
            torch.float64: None}
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
 _bfloat16 = None   # ml_dtypes.bfloat16, imported at the first bfloat16 tensor
 
 
@@ -63,13 +67,15 @@ def _as_numpy(op, name, t):
     """A NumPy view of CPU tensor ``t`` (no copy)."""
     if not isinstance(t, torch.Tensor):
         raise invalid(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
-    if t.dtype not in _DTYPES:
+    dtype = t.dtype
+    if dtype not in _DTYPES:
         raise invalid(op, f"{name} dtype must be one of float16, bfloat16, float32, "
-                          f"float64, got {t.dtype}")
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
+                          f"float64, got {dtype}")
+    if t.requires_grad:
+        t = t.detach()
+    if dtype is torch.bfloat16:
         global _bfloat16
         if _bfloat16 is None:
             import ml_dtypes
@@ -154,19 +160,26 @@ def _windows(length, block, stride):
 _sizes_of = {}
 
 
-def _rows_for_tensor(tensor, block, stride):
+def _rows_for_tensor(tensor, block, stride, tokens):
     """T' for sequence ends held in a (fake) tensor: a data-dependent size. Later calls
     with the same tensor and window get a new size checked equal to the first one's
     (``torch._check``), so the keys and values of a layer, compressed alike, have
     lengths that later operations can match. (Returning the first size itself
-    broke AOTAutograd's renaming of unbacked symbols.)"""
+    broke AOTAutograd's renaming of unbacked symbols.)
+
+    The torch functions apply the strict rules, which the real call enforces before it
+    returns: at least one window (T' = 0 is refused), and l >= d, so each window
+    starts d tokens after the last one of its sequence and T' <= T // d. The size is
+    declared with those bounds: without the lower one, inductor cannot lower a
+    contraction or a softmax over the keys (it must know ``Max(1, T') == T'``)."""
     key = id(tensor)
     entry = _sizes_of.get(key)
     if entry is None or entry[0]() is not tensor:
         entry = (weakref.ref(tensor, lambda _, key=key: _sizes_of.pop(key, None)), {})
         _sizes_of[key] = entry
     sizes = entry[1]
-    rows = torch.library.get_ctx().new_dynamic_size()
+    rows = torch.library.get_ctx().new_dynamic_size(min=1)
+    torch._check(rows <= tokens // stride)
     if (block, stride) in sizes:         # the size of an earlier call: the same value
         torch._check(rows == sizes[block, stride])
     else:
@@ -180,7 +193,7 @@ def _nsa_compress_fake(input, weight, compress_block_size, compress_stride, actu
     _check_meta(_FORWARD, ("input", input, 3), ("weight", weight, 2))
     block, stride = compress_block_size, compress_stride
     if actual_seq_len_tensor is not None:
-        rows = _rows_for_tensor(actual_seq_len_tensor, block, stride)
+        rows = _rows_for_tensor(actual_seq_len_tensor, block, stride, input.shape[0])
     elif actual_seq_len is not None:           # the exact expression in the ends
         rows, start = 0, 0
         for end in actual_seq_len:
@@ -367,14 +380,44 @@ def _seq_arguments(op, actual_seq_len):
     return _seqlens.as_int_vector(op, "actual_seq_len", actual_seq_len), None
 
 
+def _require_tensors(op, **named):
+    """NsaError for an argument that is not a tensor (a NumPy array, a list...): the
+    torch functions take tensors, the NumPy API (``nsa_numba.nsa_compress``...) arrays."""
+    for name, value in named.items():
+        if value is None:
+            raise missing(op, name)
+        if not isinstance(value, torch.Tensor):
+            hint = (" (NumPy arrays go to nsa_numba.nsa_compress and its siblings)"
+                    if isinstance(value, np.ndarray) else "")
+            raise invalid(op, f"{name} must be a torch.Tensor, got "
+                              f"{type(value).__module__}.{type(value).__name__}{hint}")
+
+
+def _autocast(*tensors):
+    """The floating tensors cast to the CPU autocast dtype inside ``torch.autocast``
+    ("cpu"), as PyTorch's matmul-class operators cast theirs: every floating dtype but
+    float64; the tensors as they are outside it."""
+    if not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_FROM and t.dtype != dtype else t
+                 for t in tensors)
+
+
+_AUTOCAST_FROM = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
                      actual_seq_len=None):
     """torch_npu.npu_nsa_compress on the CPU: ``[T', N, D]``, differentiable.
 
     ``actual_seq_len``: cumulative sequence ends (list, tuple, 1-D integer array or
-    tensor), or None for one sequence.
+    tensor), or None for one sequence. Inside ``torch.autocast("cpu")`` the input and
+    weight are cast to the autocast dtype first (float64 ones are not).
     """
     op = _FORWARD
+    _require_tensors(op, input=input, weight=weight)
+    input, weight = _autocast(input, weight)
     return _compress(input, weight, _check_int(op, "compress_block_size", compress_block_size),
                      _check_int(op, "compress_stride", compress_stride),
                      *_seq_arguments(op, actual_seq_len))
@@ -383,8 +426,11 @@ def npu_nsa_compress(input, weight, compress_block_size, compress_stride, *,
 def npu_nsa_compress_grad(grad, input, weight, compress_block_size, compress_stride, *,
                           actual_seq_len=None):
     """torch_npu.npu_nsa_compress_grad on the CPU: ``(input_grad, weight_grad)``,
-    itself differentiable (second derivatives)."""
+    itself differentiable (second derivatives). Cast under autocast as
+    ``npu_nsa_compress`` is."""
     op = _GRAD
+    _require_tensors(op, grad=grad, input=input, weight=weight)
+    grad, input, weight = _autocast(grad, input, weight)
     input_grad, weight_grad = _compress_grad(
         grad, input, weight, _check_int(op, "compress_block_size", compress_block_size),
         _check_int(op, "compress_stride", compress_stride), *_seq_arguments(op, actual_seq_len))
@@ -397,7 +443,7 @@ def _index_numpy(op, name, t):
     """A CPU integer tensor as a NumPy array (no copy), or None."""
     if t is None:
         return None
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
     if t.dtype not in _INT_DTYPES:
         raise invalid(op, f"{name} must hold integers, got dtype {t.dtype}")
@@ -457,13 +503,28 @@ def npu_nsa_compress_infer(input, weight, slot_mapping, compress_block_size, com
     it works under ``torch.compile``.
     """
     op = _INFER
+    plain = _PLAIN_TYPES
+    if (type(input) in plain and type(weight) in plain and type(cache) in plain
+            and type(slot_mapping) in _EAGER_INDEX and type(block_table) in _EAGER_INDEX
+            and type(actual_seq_len) in _EAGER_INDEX and _eager()):
+        # eager code skips the dispatcher's round trip, which cost a decoding step
+        # several times the NumPy call's own Python work (bench --overhead); lists and
+        # integer tensors go to the planner as they are (it checks them, None included)
+        _pipeline.call(COMPRESS_INFER, _INFER_RULES,
+                       (_as_numpy(op, "input", input), _as_numpy(op, "weight", weight),
+                        _index_value(op, "slot_mapping", slot_mapping),
+                        compress_block_size, compress_stride, page_block_size,
+                        _index_value(op, "block_table", block_table),
+                        _index_value(op, "actual_seq_len", actual_seq_len), 1, "TND",
+                        _as_numpy(op, "cache", cache)),
+                       threads=torch.get_num_threads())
+        _increment_version(cache)     # written in place, as the registered op declares
+        return cache
     for name, value in (("input", input), ("weight", weight), ("slot_mapping", slot_mapping),
                         ("actual_seq_len", actual_seq_len), ("cache", cache)):
         if value is None:
             raise missing(op, name)
-    for name, value in (("input", input), ("weight", weight), ("cache", cache)):
-        if not isinstance(value, torch.Tensor):
-            raise invalid(op, f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    _require_tensors(op, input=input, weight=weight, cache=cache)
     torch.ops.nsa_numba.nsa_compress_infer(
         input, weight, _index_tensor(op, "slot_mapping", slot_mapping),
         _check_int(op, "compress_block_size", compress_block_size),
@@ -472,3 +533,38 @@ def npu_nsa_compress_infer(input, weight, slot_mapping, compress_block_size, com
         None if block_table is None else _index_tensor(op, "block_table", block_table, 2),
         _index_tensor(op, "actual_seq_len", actual_seq_len), cache)
     return cache
+
+
+#: what the eager decoding path takes as an index argument: plain tensors, and what the
+#: planner checks itself (lists, tuples, NumPy arrays, None)
+_EAGER_INDEX = frozenset((torch.Tensor, torch.nn.Parameter, list, tuple, np.ndarray,
+                          type(None)))
+
+
+def _index_value(op, name, value):
+    """An index argument of the eager decoding path: a CPU integer tensor as a NumPy
+    array (no copy); anything else as it is, for the planner to check."""
+    if type(value) is torch.Tensor:
+        return _index_numpy(op, name, value)
+    return value
+
+
+def pad_sequence_ends(actual_seq_len, count):
+    """Cumulative sequence ends (a list or tuple of ints) padded to ``count`` values
+    with empty trailing sequences (the last end repeated), as a list.
+
+    Under ``torch.compile`` a list of sequence ends is a Python list, whose length
+    Dynamo specialises on: every new number of sequences compiles a new graph. Padding
+    every batch's ends to one count (the most sequences a batch can hold) makes the
+    length constant; the empty sequences have no windows and change no result. A
+    tensor of ends needs no padding (its values never reach a guard).
+    """
+    ends = list(actual_seq_len)
+    if type(count) is not int or count < 1:
+        raise invalid("pad_sequence_ends", f"count must be an int >= 1, got {count!r}")
+    if len(ends) > count:
+        raise invalid("pad_sequence_ends", f"actual_seq_len holds {len(ends)} sequence "
+                                           f"ends, more than count = {count}")
+    if not ends:
+        raise invalid("pad_sequence_ends", "actual_seq_len must hold at least one end")
+    return ends + [ends[-1]] * (count - len(ends))

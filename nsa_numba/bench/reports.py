@@ -80,6 +80,10 @@ def format_overhead(us):
         lines.append(f"{op + ', torch':<22}{torch_us:>8.1f}   torch - NumPy = "
                      f"{torch_us - numpy_us:.1f} us, {torch_us - numpy_us - empty:+.1f} us "
                      f"beyond the empty custom op")
+    numpy_us, torch_us = us["decoding, NumPy"], us["decoding, torch"]
+    lines.append(f"{'decoding, NumPy':<22}{numpy_us:>8.1f}   (--infer's typical step, bf16)")
+    lines.append(f"{'decoding, torch':<22}{torch_us:>8.1f}   torch - NumPy = "
+                 f"{torch_us - numpy_us:.1f} us")
     return "\n".join(lines)
 
 

@@ -147,9 +147,10 @@ def _empty_custom_op():
 
 def overhead(repeat, calls=2000):
     """Microseconds per call on OVERHEAD_SHAPE (float32, inputs that require grad) of
-    the empty custom op, the NumPy API and the torch function, forward and backward:
-    medians over ``repeat`` rounds of the best of three runs of ``calls`` calls, the
-    functions timed in turn within each round."""
+    the empty custom op, the NumPy API and the torch function, forward and backward,
+    and of a decoding step (``--infer``'s typical step, bf16) through both: medians
+    over ``repeat`` rounds of the best of three runs of ``calls`` calls, the functions
+    timed in turn within each round."""
     import timeit
 
     import torch
@@ -162,12 +163,22 @@ def overhead(repeat, calls=2000):
     g = torch.randn((T - l) // d + 1, N, D, generator=gen)
     xn, wn, gn = x.detach().numpy(), w.detach().numpy(), g.numpy()
     empty = _empty_custom_op()
+    win = INFER_WINDOW
+    kv, kw, slots, table, lengths, cache = infer_problem(*INFER_CASES["typical step"], "bf16")
+    tkv, tkw, tcache = (bridge._as_tensor(a) for a in (kv, kw, cache))
+    tslots, ttable, tlengths = (torch.from_numpy(a) for a in (slots, table, lengths))
     fns = {
         "empty custom op": lambda: empty(x, w, l, d, None),
         "forward, NumPy": lambda: api.nsa_compress(xn, wn, l, d),
         "forward, torch": lambda: bridge.npu_nsa_compress(x, w, l, d),
         "backward, NumPy": lambda: api.nsa_compress_grad(gn, xn, wn, l, d),
         "backward, torch": lambda: bridge.npu_nsa_compress_grad(g, x, w, l, d),
+        "decoding, NumPy": lambda: api.nsa_compress_infer(
+            kv, kw, slots, win["block"], win["stride"], win["page"], block_table=table,
+            actual_seq_len=lengths, cache=cache),
+        "decoding, torch": lambda: bridge.npu_nsa_compress_infer(
+            tkv, tkw, tslots, win["block"], win["stride"], win["page"], block_table=ttable,
+            actual_seq_len=tlengths, cache=tcache),
     }
     times = {name: [] for name in fns}
     for fn in fns.values():
