@@ -101,6 +101,7 @@ def info(args):
         ("llvmlite", llvmlite.__version__),
         ("numpy", np.__version__),
         ("ml_dtypes", ml_dtypes.__version__),
+        ("torch", _torch_version()),
         ("threading layer", _threading.layer()),
         ("tbb library", _threading.tbb_library() or "-"),
         ("threads", f"{numba.get_num_threads()} (NUMBA_NUM_THREADS="
@@ -133,6 +134,16 @@ def _warmup(args):
     _firstrun.compile_messages(False)   # the steps say what is compiling
     _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided)
     return 0
+
+
+def _torch_version():
+    """The installed PyTorch's version, or why the bridge cannot be used, without
+    importing torch (which takes seconds)."""
+    from importlib import metadata
+    try:
+        return metadata.version("torch") + " (nsa_numba.torch needs 2.4 or newer)"
+    except metadata.PackageNotFoundError:
+        return "not installed (nsa_numba.torch needs it: pip install 'nsa_numba[torch]')"
 
 
 def _host_cpu_name():

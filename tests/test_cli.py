@@ -27,7 +27,7 @@ def test_info_reports_the_setup():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
     for key in ("nsa_numba", "numba", "threading layer", "threads", "cpu", "vector path",
-                "float16 path", "kernel cache", "output pool"):
+                "float16 path", "kernel cache", "output pool", "torch"):
         assert key in proc.stdout
     layer = [ln for ln in proc.stdout.splitlines() if ln.startswith("threading layer")][0]
     assert layer.split()[-1] in ("tbb", "omp", "workqueue")

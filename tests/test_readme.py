@@ -37,3 +37,12 @@ def test_decoding_example_runs():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[0 2 4]"
+
+
+def test_torch_quick_start_runs():
+    if not os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
+        pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-c", example("torch quick start")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "torch.Size([15, 8, 128]) [0]"
