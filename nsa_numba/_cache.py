@@ -10,36 +10,31 @@ sequence values.
 import os
 import threading
 import weakref
-from collections import OrderedDict
 
 _all = weakref.WeakSet()        # every cache, for the fork handler
 
 
 class BoundedCache:
     """A mapping from hashable keys to values with a size in bytes, holding at most
-    ``entries`` values and ``nbytes`` bytes; the least recently used go first. A
-    value larger than ``nbytes // 8`` is not kept (what needs that much is slow to
-    call anyway). ``None`` is never a key: ``get(None)`` is None."""
+    ``entries`` values and ``nbytes`` bytes; the oldest go first. A value larger than
+    ``nbytes // 8`` is not kept (what needs that much is slow to call anyway). ``None``
+    is never a key: ``get(None)`` is None.
+
+    ``get`` takes no lock and moves nothing (a hit is every repeated call's first
+    step, where a lock and a reordering cost more than the eviction order is worth)."""
 
     def __init__(self, entries, nbytes):
         self.max_entries = entries
         self.max_bytes = nbytes
-        self._items = OrderedDict()      # key -> (value, bytes)
+        self._items = {}                 # key -> (value, bytes), oldest first
         self._bytes = 0
         self._lock = threading.Lock()
         _all.add(self)
 
     def get(self, key):
-        """The value kept under ``key``, or None; a hit becomes the most recent."""
-        if key is None:
-            return None
-        item = self._items.get(key)
-        if item is None:
-            return None
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-        return item[0]
+        """The value kept under ``key``, or None."""
+        item = self._items.get(key)       # one dict lookup: atomic under the GIL
+        return None if item is None else item[0]
 
     def put(self, key, value, nbytes):
         """Keep ``value`` (of ``nbytes``) under ``key`` unless the key is None, the
@@ -52,7 +47,7 @@ class BoundedCache:
             self._items[key] = (value, nbytes)
             self._bytes += nbytes
             while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-                self._bytes -= self._items.popitem(last=False)[1][1]
+                self._bytes -= self._items.pop(next(iter(self._items)))[1]
 
     def clear(self):
         with self._lock:
@@ -85,7 +80,7 @@ class BoundedCache:
         """In a forked child: a new lock (another thread may have held the parent's
         at the fork, halfway through a change) and nothing kept."""
         self._lock = threading.Lock()
-        self._items = OrderedDict()
+        self._items = {}
         self._bytes = 0
 
 

@@ -14,6 +14,7 @@ the caller's arrays as they are (``run_prepared``).
 
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -22,11 +23,12 @@ from . import _kernels, _pool, _simd, _threading
 from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
 
 
-@dataclass(frozen=True)
-class Scratch:
+class Scratch(NamedTuple):
     """The scratch a run needs, in its accumulator dtype: the weight-gradient
     partials ``[n_tiles, N, l]`` (n_tiles 0: none), then per-thread rows ``[slots,
-    elements]`` from ``partial_elements`` on (``_plan`` sizes them)."""
+    elements]`` from ``partial_elements`` on (``_plan`` sizes them). A tuple: it keys
+    each thread's scratch cuts, and a tuple hashes in C (every repeated call looks
+    its cut up)."""
     accumulator: np.dtype
     partials: tuple
     partial_elements: int

@@ -72,9 +72,9 @@ def call(operator, rules, args, threads=None, known=True):
     Numba's count for the calling thread). ``known``: whether ``rules`` lives as long
     as the process (signatures name it by its id)."""
     signature = operator.signature(rules, *args) if known and operator.signature else None
-    prepared = _prepared.get(signature)
-    if prepared is not None:
-        results = operator.fast(prepared, threads, *args)
+    kept = _prepared._items.get(signature)     # _prepared.get, without the method call
+    if kept is not None:
+        results = operator.fast(kept[0], threads, *args)
         if results is not None:
             return results
     plan = operator.planner(rules, *args)
