@@ -102,7 +102,7 @@ def info(args):
         ("numpy", np.__version__),
         ("ml_dtypes", ml_dtypes.__version__),
         ("torch", _torch_version()),
-        ("threading layer", _threading.layer()),
+        ("threading layer", f"{_threading.layer()} ({_threading.reason})"),
         ("tbb library", _threading.tbb_library() or "-"),
         ("threads", f"{numba.get_num_threads()} (NUMBA_NUM_THREADS="
                     f"{os.environ.get('NUMBA_NUM_THREADS', 'unset')}, cores "

@@ -8,11 +8,14 @@ at once and inside processes forked after a call (data-loader workers):
   search, so we load it from there by absolute path first; Numba's tbb pool then
   links against the already loaded library.
 * ``omp`` (GNU OpenMP) is thread-safe but aborts in a forked child.
-* ``workqueue`` aborts when two threads launch kernels at once; if that is the only
-  layer available, every launch goes through one lock (:func:`launch`).
+* ``workqueue`` is fork-safe but aborts when two threads launch kernels at once, so
+  under it every launch goes through one lock (:func:`launch`).
 
-Nothing is changed when the user chose a layer (``NUMBA_THREADING_LAYER``) or when
-Numba's layer is already running.
+So: tbb where a usable libtbb loads (the x86-64 wheel), else workqueue with launches
+serialised, on every OS (Numba's own order would pick omp where tbb is missing:
+aarch64 Linux and macOS have no tbb wheel). Nothing is changed when the user chose a
+layer (``NUMBA_THREADING_LAYER``) or when Numba's layer is already running;
+:data:`reason` says which case held (``python -m nsa_numba info`` prints it).
 """
 
 import ctypes
@@ -21,12 +24,15 @@ import sys
 import threading
 
 import numba
+
 from . import _internals
 
 _TBB_MIN_INTERFACE = 12060  # the oldest TBB interface Numba accepts
 _launch_lock = threading.Lock()
 concurrent = False      # whether the layer takes concurrent launches, once known
 _preloaded_tbb = None
+#: why the layer is the one it is (set by :func:`configure`)
+reason = None
 
 
 def _tbb_candidates():
@@ -55,13 +61,23 @@ def _preload_tbb():
 
 
 def configure():
-    """Prefer tbb when nobody has chosen a layer yet. Called once at import."""
-    global _preloaded_tbb
-    if os.environ.get("NUMBA_THREADING_LAYER") or _internals.numba_pool_started():
+    """Choose tbb, else workqueue, when nobody has chosen a layer yet. Called once at
+    import."""
+    global _preloaded_tbb, reason
+    if os.environ.get("NUMBA_THREADING_LAYER"):
+        reason = "chosen by NUMBA_THREADING_LAYER"
+        return
+    if _internals.numba_pool_started():
+        reason = "Numba's pool was running before nsa_numba was imported"
         return
     _preloaded_tbb = _preload_tbb()
     if _preloaded_tbb is not None:
         numba.config.THREADING_LAYER = "tbb"
+        reason = "safe under concurrent threads and in forked children"
+    else:
+        numba.config.THREADING_LAYER = "workqueue"
+        reason = ("no usable tbb library: workqueue, safe in forked children, its "
+                  "launches serialised across threads (omp aborts in forked children)")
 
 
 def layer():
