@@ -238,12 +238,9 @@ def run_compress(plan, workspace=None, threads=None):
 
 
 def prepare(plan, workspace, threads=None):
-    """The plan's kernel launches as a function of no arguments (None when there is
-    nothing to compute), with everything before them done in ``workspace``
-    (``new_workspace``): views, recipe, scratch. ``bench --split`` times it apart
-    from the Python work of a call."""
-    if plan.op == "infer":
-        return _infer_launch(plan, workspace, threads)
+    """A training plan's kernel launches as a function of no arguments, with
+    everything before them done in ``workspace`` (``new_workspace``): views, recipe,
+    scratch. ``bench --split`` times it apart from the Python work of a call."""
     views = storage_views(plan, workspace)
     chosen, scratch = recipe(plan, views), carve(plan, workspace)
     return lambda: launch(chosen, views, scratch, threads)

@@ -1,9 +1,9 @@
 """Numba keys the disk cache of _kernels.py on that file's text only.
 
-The kernels inline code from _halfprec.py, _prefetch.py and _simd.py, take their
-flags from _jit.py and their vector widths from _target.py, so
-_kernels.CACHE_DEPENDS records digests of all five: editing one without updating its
-digest there would let a stale compiled kernel be loaded.
+The kernels inline code from _halfprec.py, _prefetch.py, _simd.py and _tiles.py (the
+tile table's columns), take their flags from _jit.py and their vector widths from
+_target.py, so _kernels.CACHE_DEPENDS records digests of all six: editing one without
+updating its digest there would let a stale compiled kernel be loaded.
 """
 
 import hashlib
