@@ -132,7 +132,7 @@ def _bench(args):
 def _warmup(args):
     from . import _firstrun, _warmup
     _firstrun.compile_messages(False)   # the steps say what is compiling
-    _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided)
+    _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided, times=args.times)
     return 0
 
 
@@ -171,6 +171,9 @@ def main(argv=None):
     p.add_argument("--strided", action="store_true",
                    help="also compile for inputs taken every other element of the last "
                         "axis or in reverse token order (each a variant of its own)")
+    p.add_argument("--times", action="store_true",
+                   help="also print what compiled: kernel, dtype, variant (array layouts), "
+                        "seconds and LLVM IR size (empty on a warm cache)")
     p.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -14,6 +14,7 @@ turns the lines off.
 """
 
 import sys
+import time
 
 from numba.core import event
 
@@ -43,23 +44,60 @@ def cache_dir():
     return getattr(cache, "_cache_path", None)
 
 
+#: while a list: each compilation of one of this package's functions from outside
+#: another, as (name, dtype, variant, seconds, LLVM IR characters) (``record``)
+_records = None
+
+
+def record(on=True):
+    """Start recording compilations (``warmup --times``) and return the list they go
+    to; ``record(False)`` stops."""
+    global _records
+    _records = [] if on else None
+    return _records
+
+
+def _variant(args):
+    """The layouts of a compilation's array arguments, in order (C, F or A), with an
+    r for a read-only one: what tells apart two variants of one kernel and dtype."""
+    return "".join(arg.layout + ("" if getattr(arg, "mutable", True) else "r")
+                   for arg in args if hasattr(arg, "layout") and hasattr(arg, "ndim"))
+
+
 class _Listener(event.Listener):
     """Prints a line when one of this package's functions starts compiling from
-    outside another compilation."""
+    outside another compilation (and records it, while ``record`` is on)."""
 
     def __init__(self):
         self.depth = 0
+        self.started = None
 
     def on_start(self, ev):
         self.depth += 1
-        if self.depth > 1 or not _enabled:
+        if self.depth > 1:
             return
         func = getattr(ev.data["dispatcher"], "py_func", None)
-        if (getattr(func, "__module__", None) or "").startswith(_PACKAGE + "."):
-            _announce(func.__name__, _dtype_of(ev.data.get("args", ())))
+        if not (getattr(func, "__module__", None) or "").startswith(_PACKAGE + "."):
+            return
+        args = tuple(ev.data.get("args", ()))
+        if _records is not None:
+            self.started = (time.perf_counter(), func.__name__, args)
+        if _enabled:
+            _announce(func.__name__, _dtype_of(args))
 
     def on_end(self, ev):
         self.depth -= 1
+        if self.depth or self.started is None:
+            return
+        start, name, args = self.started
+        self.started = None
+        seconds = time.perf_counter() - start
+        try:
+            ir = len(ev.data["dispatcher"].inspect_llvm(args))
+        except Exception:          # noqa: BLE001 - a size we cannot read is left out
+            ir = None
+        if _records is not None:
+            _records.append((name, _dtype_of(args), _variant(args), seconds, ir))
 
 
 def _dtype_of(args):

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from . import _simd, api
+from . import _firstrun, _simd, api
 from ._firstrun import cache_dir
 from ._seqlens import window_counts
 from ._threading import threads
@@ -97,11 +97,21 @@ def _steps(dtype, strided):
     return steps
 
 
-def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout):
+def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout, times=False):
     """Compile (or load from the cache) the kernels of ``ops`` (see ``OPS``) for
     ``dtypes`` (short names, see ``DTYPES``) on contiguous arrays, and with ``strided``
     on common views too; prints each step and its time to ``out`` and returns the
-    total seconds."""
+    total seconds. ``times``: also print what compiled, one row per kernel or helper
+    variant (``compile_table``)."""
+    records = _firstrun.record() if times else None
+    try:
+        return _warmup(dtypes, ops, strided, out, records)
+    finally:
+        if times:
+            _firstrun.record(False)
+
+
+def _warmup(dtypes, ops, strided, out, records):
     start = time.perf_counter()
     where = cache_dir()
     print(f"nsa_numba warmup: {', '.join(dtypes)}; cache "
@@ -116,4 +126,20 @@ def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout):
               flush=True)
     total = time.perf_counter() - start
     print(f"done in {total:.1f} s", file=out, flush=True)
+    if records is not None:
+        print(compile_table(records), file=out, flush=True)
     return total
+
+
+def compile_table(records):
+    """What compiled (``_firstrun.record``'s rows), slowest first: kernel or helper,
+    dtype, variant (array layouts), seconds and LLVM IR size, then the total."""
+    if not records:
+        return ("nothing compiled: the kernel cache is warm (NUMBA_CACHE_DIR=<an empty "
+                "directory> times a cold start)")
+    lines = [f"{'compiled':<28}{'dtype':<10}{'variant':<14}{'seconds':>8}{'IR KiB':>9}"]
+    for name, dtype, variant, seconds, ir in sorted(records, key=lambda r: -r[3]):
+        size = f"{ir / 1024:9.0f}" if ir is not None else f"{'-':>9}"
+        lines.append(f"{name:<28}{dtype or '-':<10}{variant or '-':<14}{seconds:8.2f}{size}")
+    lines.append(f"{'total':<52}{sum(r[3] for r in records):8.2f}")
+    return "\n".join(lines)

@@ -92,14 +92,24 @@ def test_silenced_by_the_environment(cold):
 
 
 def test_warmup_compiles_what_calls_need(cold):
-    proc = cold("warmup", "--dtype", "fp32", "--strided")
+    proc = cold("warmup", "--dtype", "fp32", "--strided", "--times")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
     # 7 steps on contiguous arrays, 6 on strided views
-    assert [line.split()[0] for line in lines[1:-1]] == [f"[{i}/13]" for i in range(1, 14)]
-    assert lines[-1].startswith("done in ") and lines[-1].endswith(" s")
+    assert [line.split()[0] for line in lines[1:14]] == [f"[{i}/13]" for i in range(1, 14)]
+    assert lines[14].startswith("done in ") and lines[14].endswith(" s")
+    # --times: what compiled, one row per kernel or helper variant, then the total
+    assert lines[15].split() == ["compiled", "dtype", "variant", "seconds", "IR", "KiB"]
+    rows = [line.split() for line in lines[16:-1]]
+    backward = [r for r in rows if r[0] == "compress_backward"]
+    assert {r[2] for r in backward} >= {"CCCCCCC", "ACCCCCC"}     # a contraction's grad
+    assert all(r[1] == "float32" and float(r[3]) > 0 and int(r[4]) > 0 for r in backward)
+    assert lines[-1].split()[0] == "total"
+    assert abs(float(lines[-1].split()[1]) - sum(float(r[3]) for r in rows)) <= 0.01 * len(rows)
     assert proc.stderr == ""
     assert cold(code=USER_CALLS).stderr == ""           # nothing left to compile
+    again = cold("warmup", "--dtype", "fp32", "--times").stdout.splitlines()
+    assert again[-1].startswith("nothing compiled: the kernel cache is warm")
 
 
 def test_warmup_covers_a_torch_training_step(cold):
