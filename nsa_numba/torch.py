@@ -455,13 +455,20 @@ def _nsa_compress_infer(input: torch.Tensor, weight: torch.Tensor, slot_mapping:
                         compress_block_size: int, compress_stride: int, page_block_size: int,
                         block_table: Optional[torch.Tensor], actual_seq_len: torch.Tensor,
                         cache: torch.Tensor) -> None:
+    _compress_infer_impl(input, weight, slot_mapping, compress_block_size, compress_stride,
+                         page_block_size, block_table, actual_seq_len, cache)
+
+
+def _compress_infer_impl(input, weight, slot_mapping, block, stride, page, block_table,
+                         actual_seq_len, cache):
+    """The decoding step on tensors (index arguments as tensors, or lists for the
+    planner to check), on at most ``torch.get_num_threads()`` threads."""
     op = _INFER
     _pipeline.call(COMPRESS_INFER, _INFER_RULES,
                    (_as_numpy(op, "input", input), _as_numpy(op, "weight", weight),
-                    _index_numpy(op, "slot_mapping", slot_mapping), compress_block_size,
-                    compress_stride, page_block_size,
-                    _index_numpy(op, "block_table", block_table),
-                    _index_numpy(op, "actual_seq_len", actual_seq_len), 1, "TND",
+                    _index_value(op, "slot_mapping", slot_mapping), block, stride, page,
+                    _index_value(op, "block_table", block_table),
+                    _index_value(op, "actual_seq_len", actual_seq_len), 1, "TND",
                     _as_numpy(op, "cache", cache)),
                    threads=torch.get_num_threads())
 
@@ -510,14 +517,9 @@ def npu_nsa_compress_infer(input, weight, slot_mapping, compress_block_size, com
         # eager code skips the dispatcher's round trip, which cost a decoding step
         # several times the NumPy call's own Python work (bench --overhead); lists and
         # integer tensors go to the planner as they are (it checks them, None included)
-        _pipeline.call(COMPRESS_INFER, _INFER_RULES,
-                       (_as_numpy(op, "input", input), _as_numpy(op, "weight", weight),
-                        _index_value(op, "slot_mapping", slot_mapping),
-                        compress_block_size, compress_stride, page_block_size,
-                        _index_value(op, "block_table", block_table),
-                        _index_value(op, "actual_seq_len", actual_seq_len), 1, "TND",
-                        _as_numpy(op, "cache", cache)),
-                       threads=torch.get_num_threads())
+        _compress_infer_impl(input, weight, slot_mapping, compress_block_size,
+                             compress_stride, page_block_size, block_table, actual_seq_len,
+                             cache)
         _increment_version(cache)     # written in place, as the registered op declares
         return cache
     for name, value in (("input", input), ("weight", weight), ("slot_mapping", slot_mapping),
