@@ -116,9 +116,9 @@ PY_NAMES = {
 OPTIONAL_NAMES = ("layout", "actual_seq_len_type", "strict")
 
 
-def without_options(names, *keep):
-    """``names`` without the optional parameters (``OPTIONAL_NAMES``) but ``keep``."""
-    return {k: v for k, v in names.items() if k not in OPTIONAL_NAMES or k in keep}
+def without_options(names):
+    """``names`` without the optional parameters (``OPTIONAL_NAMES``)."""
+    return {k: v for k, v in names.items() if k not in OPTIONAL_NAMES}
 
 
 @dataclass(frozen=True)
