@@ -422,9 +422,9 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
     if kept is None:
         seqs = _sequences(rules, layout, B, S, block, stride, values, kind)
         tiles = tile_schedule(op, seqs, block, stride, N, D)
-        kept = seqs, tiles, _table_bytes(key, seqs, tiles)
-        _table_cache.put(key, kept, kept[2])
-    seqs, tiles, _ = kept
+        kept = seqs, tiles
+        _table_cache.put(key, kept, _table_bytes(key, seqs, tiles))
+    seqs, tiles = kept
     if rules.strict and seqs.out_rows == 0:             # no sequence has a window
         raise invalid(rules.op, f"no sequence is as long as {rules.names['block']} = "
                                 f"{block}, so there is no window (T' = 0); sequence "
