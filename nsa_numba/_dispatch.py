@@ -8,7 +8,7 @@ given no workspace uses scratch kept per Python thread (``thread_scratch``).
 
 A full-path run goes through a :class:`Recipe`, what ``launch`` needs besides the
 arrays. A run that succeeded can leave a :class:`Prepared` call for the pipeline's
-cache: the recipe bound to its kernel's entry for calls that come again, which takes
+cache: the recipe's kernel and constants, for calls that come again: it takes
 the caller's arrays as they are (``run_prepared``).
 """
 
@@ -43,15 +43,16 @@ class Scratch(NamedTuple):
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A training run without its arrays: which kernel, on which tiles, with how
-    much scratch. The arrays come to ``launch`` as storage views, in the order of
-    ``ROLES[op]``."""
+    much scratch, and how its arrays go in. The arrays come to ``launch`` in the
+    order of ``ROLES[op]``: the caller's own (``own``) or storage views."""
     op: str                  # "forward" or "grad"
     storage: np.dtype        # the dtype the kernels see the arrays as (_plan.STORAGE)
-    kernel: object           # forward_kernel's choice, or compress_backward
-    vector: bool             # backward: token pairs in _simd vectors (backward_vector)
+    kernel: object           # forward_kernel's or backward_kernel's choice
     tiles: np.ndarray
     stride: int
     D: int
+    dims: np.ndarray         # [B, S, N, D] of each 4-axis storage view, in role order
+    own: bool                # the arrays are the caller's, in storage dtype (kernel_arrays)
     useful: int              # Plan.threads_useful
     scratch: Scratch
 
@@ -151,9 +152,10 @@ def simd_fits(plan, x, out):
 
 
 def backward_vector(plan, x, ig):
-    """Whether ``compress_backward`` can run its token pairs in ``_simd`` vectors on
-    storage views ``x`` and ``ig``: D a multiple of their width, unit-stride rows of
-    one dtype that ``_simd`` converts, and compiled code."""
+    """Whether the backward can run its token pairs in ``_simd`` vectors
+    (``compress_backward_simd``) on storage views ``x`` and ``ig``: D a multiple of
+    their width, unit-stride rows of one dtype that ``_simd`` converts, and compiled
+    code."""
     return (not numba.config.DISABLE_JIT and plan.D % _simd.SHORT_WIDTH == 0
             and x.dtype == ig.dtype and _simd.row_fits(x) and _simd.row_fits(ig))
 
@@ -185,75 +187,99 @@ def storage_views(plan, workspace=None):
     return tuple(plan.storage(role, workspace) for role in ROLES[plan.op])
 
 
+def kernel_arrays(plan, views):
+    """(arrays, own) for a training ``plan``'s storage ``views``: per role, the
+    caller's array in its storage dtype and own shape where it is C-contiguous with a
+    view that is a reshape of it (not a copy, a padded carrier, words or a strided
+    view); else a C-contiguous view with the caller's number of axes (a carrier of a
+    packed TND array goes in as ``[T, N, D]``), else the view. ``own``: all are the
+    caller's, which a prepared call can pass again. So a packed input's slice, a
+    weight that needed a copy and contiguous arrays all run one compiled variant."""
+    arrays, own = [], True
+    for role, view in zip(ROLES[plan.op], views):
+        a = plan.arrays[role]
+        if (view.ctypes.data == a.ctypes.data and view.itemsize == a.itemsize
+                and a.flags.c_contiguous and view.flags.c_contiguous
+                and view.size == a.size and (view.ndim == 4 or view.shape == a.shape)):
+            arrays.append(a.view(view.dtype))
+            continue
+        own = False
+        if view.ndim == 4 and a.ndim == 3 and view.shape[0] == 1 and view.flags.c_contiguous:
+            arrays.append(view.reshape(view.shape[1:]))
+        else:
+            arrays.append(view)
+    return tuple(arrays), own
+
+
 def recipe(plan, views):
-    """The :class:`Recipe` of a training ``plan`` run on storage ``views``."""
+    """(the :class:`Recipe` of a training ``plan`` run on storage ``views``, the
+    arrays its kernel takes)."""
     if plan.op == "forward":
-        kernel, vector = forward_kernel(plan, views[0], views[2]), False
+        kernel = forward_kernel(plan, views[0], views[2])
+    elif backward_vector(plan, views[1], views[3]):
+        kernel = _kernels.compress_backward_simd
     else:
-        kernel, vector = _kernels.compress_backward, backward_vector(plan, views[1], views[3])
-    return Recipe(op=plan.op, storage=STORAGE[kind_of(plan.dtype)], kernel=kernel,
-                  vector=vector, tiles=plan.tiles, stride=plan.stride, D=plan.D,
-                  useful=plan.threads_useful, scratch=scratch_of(plan))
+        kernel = _kernels.compress_backward
+    arrays, own = kernel_arrays(plan, views)
+    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64).reshape(-1, 4)
+    chosen = Recipe(op=plan.op, storage=STORAGE[kind_of(plan.dtype)], kernel=kernel,
+                    tiles=plan.tiles, stride=plan.stride, D=plan.D,
+                    dims=dims, own=own, useful=plan.threads_useful, scratch=scratch_of(plan))
+    return chosen, arrays
 
 
-def launch(recipe, views, scratch, threads=None):
-    """Run a training recipe: ``views`` its storage views (``ROLES``), ``scratch`` its
-    (partials, rows), on at most ``threads`` threads (None: Numba's count for the
+def launch(recipe, arrays, scratch, threads=None):
+    """Run a training recipe: ``arrays`` what its kernel takes (``recipe``), ``scratch``
+    its (partials, rows), on at most ``threads`` threads (None: Numba's count for the
     calling thread)."""
     useful = recipe.useful if threads is None else min(threads, recipe.useful)
     partials, rows = scratch
     if recipe.op == "forward":
-        x, w, out = views
-        _threading.launch(recipe.kernel, useful, x, w, out, recipe.tiles, recipe.stride,
-                          recipe.D, rows)
+        _threading.launch(recipe.kernel, useful, *arrays, rows, recipe.dims, recipe.tiles,
+                          recipe.stride, recipe.D, False)
         return
-    g, x, w, ig, wg = views
-    _threading.launch(recipe.kernel, useful, g, x, w, ig, partials, recipe.tiles,
-                      recipe.stride, recipe.D, rows, recipe.vector)
-    _kernels.reduce_weight_grad(partials, wg)
+    _threading.launch(recipe.kernel, useful, *arrays, partials, rows, recipe.dims,
+                      recipe.tiles, recipe.stride, recipe.D, False)
 
 
 def run_compress(plan, workspace=None, threads=None):
     """Launch a training plan (the pipeline's ``launch`` for both compress operators);
-    return its Recipe and the storage views it ran on.
+    return its Recipe.
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
     ``plan.workspace_bytes`` (None: this thread's kept scratch, ``thread_scratch``).
     ``threads``: at most this many threads (None: Numba's count for the calling
     thread).
     """
-    views = storage_views(plan, workspace)
-    chosen = recipe(plan, views)
+    chosen, arrays = recipe(plan, storage_views(plan, workspace))
     if workspace is not None:
-        launch(chosen, views, carve(plan, workspace), threads)
-        return chosen, views
+        launch(chosen, arrays, carve(plan, workspace), threads)
+        return chosen
     kept = _thread_scratch
     scratch = thread_scratch(chosen.scratch)
     was, kept.busy = kept.busy, True
     try:
-        launch(chosen, views, scratch, threads)
+        launch(chosen, arrays, scratch, threads)
     finally:
         kept.busy = was
-    return chosen, views
+    return chosen
 
 
 def prepare(plan, workspace, threads=None):
     """A training plan's kernel launches as a function of no arguments, with
     everything before them done in ``workspace`` (``new_workspace``): views, recipe,
     scratch. ``bench --split`` times it apart from the Python work of a call."""
-    views = storage_views(plan, workspace)
-    chosen, scratch = recipe(plan, views), carve(plan, workspace)
-    return lambda: launch(chosen, views, scratch, threads)
+    chosen, arrays = recipe(plan, storage_views(plan, workspace))
+    scratch = carve(plan, workspace)
+    return lambda: launch(chosen, arrays, scratch, threads)
 
 
 # -- prepared calls ----------------------------------------------------------------
 
-#: the entry a prepared call takes for each training kernel (``_kernels``, "calls
-#: that come again"): the kernel behind an overlap check and the reshapes
-_ENTRIES = {_kernels.compress_forward: _kernels.compress_fast_forward,
-            _kernels.compress_forward_rows: _kernels.compress_fast_forward_rows,
-            _kernels.compress_forward_simd: _kernels.compress_fast_forward_simd,
-            _kernels.compress_backward: _kernels.compress_fast_backward}
+#: the training kernels a recipe or prepared call runs
+KERNELS = (_kernels.compress_forward, _kernels.compress_forward_rows,
+           _kernels.compress_forward_simd, _kernels.compress_backward,
+           _kernels.compress_backward_simd)
 
 #: the roles a caller may leave to be allocated
 OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
@@ -262,12 +288,11 @@ OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
     """A training call that ran, ready to run again on new arrays of the same
-    signature (``_pipeline``): its kernel's entry, which takes the caller's arrays in
-    their storage dtype and own shape, and what the entry takes after them besides
-    the scratch."""
+    signature (``_pipeline``): its kernel, which takes the caller's arrays in their
+    storage dtype and own shape, and what it takes after them besides the scratch."""
     op: str                  # "forward" or "grad"
-    entry: object            # _ENTRIES[kernel]
-    constants: tuple         # dims, tiles, stride, D (and the backward's vector flag)
+    kernel: object           # Recipe.kernel
+    constants: tuple         # dims, tiles, stride, D, check (True)
     storage: np.dtype
     scratch: Scratch
     useful: int              # most threads worth waking
@@ -275,28 +300,21 @@ class Prepared:
     allocate: tuple          # per ROLES entry: the shape of an output to allocate, or None
 
 
-def prepared_call(plan, chosen, views, given):
-    """(:class:`Prepared`, bytes it holds) of ``plan`` run as Recipe ``chosen`` on
-    storage ``views``, or None where its arrays do not allow one: each must be
-    C-contiguous with a storage view that is a reshape of it (not a copy, a padded
-    carrier, words or a strided view). ``given``: the roles whose outputs the caller
-    passed (the others were allocated)."""
-    allocate = []
-    for role, view in zip(ROLES[plan.op], views):
-        a = plan.arrays[role]
-        if (view.ctypes.data != a.ctypes.data or view.itemsize != a.itemsize
-                or not (a.flags.c_contiguous and view.flags.c_contiguous)
-                or view.size != a.size or (view.ndim != 4 and view.shape != a.shape)):
-            return None
-        allocate.append(a.shape if role in OUTPUT_ROLES and role not in given else None)
-    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64).reshape(-1, 4)
-    constants = (dims, chosen.tiles, chosen.stride, chosen.D)
-    if chosen.op == "grad":
-        constants += (chosen.vector,)
-    made = Prepared(op=chosen.op, entry=_ENTRIES[chosen.kernel], constants=constants,
+def prepared_call(plan, chosen, given):
+    """(:class:`Prepared`, bytes it holds) of ``plan`` run as Recipe ``chosen``, or None
+    where its kernel did not take the caller's own arrays (``kernel_arrays``).
+    ``given``: the roles whose outputs the caller passed (the others were
+    allocated)."""
+    if not chosen.own:
+        return None
+    allocate = tuple(plan.arrays[role].shape
+                     if role in OUTPUT_ROLES and role not in given else None
+                     for role in ROLES[plan.op])
+    made = Prepared(op=chosen.op, kernel=chosen.kernel,
+                    constants=(chosen.dims, chosen.tiles, chosen.stride, chosen.D, True),
                     storage=chosen.storage, scratch=chosen.scratch, useful=chosen.useful,
                     all_threads=chosen.useful >= numba.config.NUMBA_NUM_THREADS,
-                    allocate=tuple(allocate))
+                    allocate=allocate)
     return made, chosen.tiles.nbytes
 
 
@@ -312,9 +330,9 @@ def run_prepared(prepared, threads, *views):
     try:
         if (prepared.all_threads and (threads is None or threads >= prepared.useful)
                 and _threading.concurrent):       # no count to cap, no launch lock
-            return prepared.entry(*views, *scratch, *prepared.constants)
+            return prepared.kernel(*views, *scratch, *prepared.constants)
         useful = prepared.useful if threads is None else min(threads, prepared.useful)
-        return _threading.launch(prepared.entry, useful, *views, *scratch,
+        return _threading.launch(prepared.kernel, useful, *views, *scratch,
                                  *prepared.constants)
     finally:
         state.busy = was
@@ -351,14 +369,14 @@ def grad_again(prepared, threads, g, x, weight, block, stride, seq, seq_type, la
 
 
 def prepare_forward(plan, launched, x, weight, block, stride, seq, seq_type, layout, out):
-    return prepared_call(plan, *launched, () if out is None else ("out",))
+    return prepared_call(plan, launched, () if out is None else ("out",))
 
 
 def prepare_grad(plan, launched, g, x, weight, block, stride, seq, seq_type, layout,
                  input_grad, weight_grad):
     given = tuple(role for role, a in (("input_grad", input_grad),
                                        ("weight_grad", weight_grad)) if a is not None)
-    return prepared_call(plan, *launched, given)
+    return prepared_call(plan, launched, given)
 
 
 # -- the with-cache operator ---------------------------------------------------------

@@ -8,7 +8,9 @@ in the accumulator dtype: ``weight_table``), ``tiles`` as the table from
 never an array's shape: an array may arrive as a C-contiguous carrier padded beyond
 its own extent (``_layouts.c_carrier``), of which the kernels index only
 ``[:, :, :N, :D]``. An input read at a step of elements may arrive as words
-(``_layouts.word_view``); ``widen`` takes its element from each word.
+(``_layouts.word_view``); ``widen`` takes its element from each word. (The training
+kernels at the end of the file also take C-contiguous arrays of other shapes, which
+they reshape to those views themselves.)
 
 Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
 it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
@@ -23,7 +25,7 @@ order fixed by the problem, not by how tiles land on threads:
   (``reduce_weight_grad``) over tiles in order.
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
-converted once, in registers. (``compress_forward_simd`` instead keeps its window
+converted once, in registers. (``_forward_simd`` instead keeps its window
 sums in explicit vectors, ``_simd``, and loops over tokens.) The kernels index the
 arrays in place (``x[b, t, n, e]``), never through row views (``x[b, t, n]``):
 Numba counts references to every view it makes with an atomic add on the parent
@@ -32,13 +34,13 @@ token and head that cost about half of the forward's time on short rows.
 """
 
 import numpy as np
-from numba import from_dtype, get_thread_id, prange, types
+from numba import get_thread_id, prange, types
 from numba.extending import overload
 
 from ._halfprec import narrow, widen
 from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
-from ._simd import (SHORT_WIDTH, STORAGE, WIDTH, check_row, check_span, vload,
+from ._simd import (SHORT_WIDTH, WIDTH, check_row, check_span, vload,
                     vload_row_short, vload_row_split, vload_short, vmul_add, vstore, vstore_row,
                     vstore_row_split, vzeros, vzeros_short)
 from ._tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
@@ -55,9 +57,9 @@ CACHE_DEPENDS = {
     "_tiles.py": "84348cd636a988e0",
 }
 
-#: tokens per pass over D in compress_forward's common paths
+#: tokens per pass over D in _forward_grouped's common paths
 GROUP = 4
-#: token rows (N * D elements) shorter than this never use compress_forward (the kernel
+#: token rows (N * D elements) shorter than this never use _forward_grouped (the kernel
 #: each problem gets: _dispatch.forward_kernel)
 GROUPED_MIN_ROW = 2048
 
@@ -92,9 +94,6 @@ def weight_table(w):
     return wt
 
 
-#: Numba dtypes of the storage whose rows ``_simd`` converts (compress_backward's
-#: vector pairs)
-VECTOR_DTYPES = tuple(from_dtype(t) for t in STORAGE)
 
 @jit
 def _decode_token(x, b, t, n, dst):
@@ -179,8 +178,8 @@ def _segment_end(rel, lo, hi, last, block, stride, end):
     return min(nxt, end)
 
 
-@jit_parallel
-def compress_forward(x, w, out, tiles, stride, D, scratch):
+@jit
+def _forward_grouped(x, wt, out, tiles, tile, stride, D, row):
     """out[kw0 + i, n] = sum_j wt[n, j] * x[s0 + i*stride + j, n] for each tile's windows.
 
     A unit is one tile, all heads: it streams the tile's tokens in memory order and
@@ -190,57 +189,55 @@ def compress_forward(x, w, out, tiles, stride, D, scratch):
     at a time, in order. ``scratch`` holds one row per thread
     (``forward_scratch_elements``).
     """
-    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
-    for unit in prange(tiles.shape[0]):
-        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
-                                                          stride)
-        ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
-        while rel < rel_end:
-            lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
-            if lo > hi:           # between windows (d > l): never read
-                rel = nxt
-                continue
-            sa = lo % ring_size
-            sb = hi % ring_size
-            for r in range(rel, nxt, GROUP):
-                t = s0 + r
-                ja = r - lo * stride
-                full = r + GROUP <= nxt
-                for n in range(N):
-                    if full and lo == hi:
-                        a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
-                        for e in range(D):
-                            ring[sa, n, e] = ((((ring[sa, n, e] + a0 * widen(x[b, t, n, e]))
-                                                + a1 * widen(x[b, t + 1, n, e]))
-                                               + a2 * widen(x[b, t + 2, n, e]))
-                                              + a3 * widen(x[b, t + 3, n, e]))
-                    elif full and lo + 1 == hi:  # the common case l <= 2d
-                        jb = ja - stride
-                        a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
-                        b0, b1, b2, b3 = wt[n, jb], wt[n, jb + 1], wt[n, jb + 2], wt[n, jb + 3]
-                        for e in range(D):
-                            v0 = widen(x[b, t, n, e])
-                            v1 = widen(x[b, t + 1, n, e])
-                            v2 = widen(x[b, t + 2, n, e])
-                            v3 = widen(x[b, t + 3, n, e])
-                            ring[sa, n, e] = (((ring[sa, n, e] + a0 * v0) + a1 * v1)
-                                              + a2 * v2) + a3 * v3
-                            ring[sb, n, e] = (((ring[sb, n, e] + b0 * v0) + b1 * v1)
-                                              + b2 * v2) + b3 * v3
-                    else:                 # a short group, or more than two windows
-                        for q in range(r, min(r + GROUP, nxt)):
-                            _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride)
-            if nxt == lo * stride + block:  # window lo closed at nxt - 1
-                _emit_window(ring, sa, out, b, row0 + lo)
+    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block,
+                                                      stride)
+    ring, xf = _forward_scratch(row, ring_size, N, D)
+    while rel < rel_end:
+        lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
+        if lo > hi:           # between windows (d > l): never read
             rel = nxt
+            continue
+        sa = lo % ring_size
+        sb = hi % ring_size
+        for r in range(rel, nxt, GROUP):
+            t = s0 + r
+            ja = r - lo * stride
+            full = r + GROUP <= nxt
+            for n in range(N):
+                if full and lo == hi:
+                    a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
+                    for e in range(D):
+                        ring[sa, n, e] = ((((ring[sa, n, e] + a0 * widen(x[b, t, n, e]))
+                                            + a1 * widen(x[b, t + 1, n, e]))
+                                           + a2 * widen(x[b, t + 2, n, e]))
+                                          + a3 * widen(x[b, t + 3, n, e]))
+                elif full and lo + 1 == hi:  # the common case l <= 2d
+                    jb = ja - stride
+                    a0, a1, a2, a3 = wt[n, ja], wt[n, ja + 1], wt[n, ja + 2], wt[n, ja + 3]
+                    b0, b1, b2, b3 = wt[n, jb], wt[n, jb + 1], wt[n, jb + 2], wt[n, jb + 3]
+                    for e in range(D):
+                        v0 = widen(x[b, t, n, e])
+                        v1 = widen(x[b, t + 1, n, e])
+                        v2 = widen(x[b, t + 2, n, e])
+                        v3 = widen(x[b, t + 3, n, e])
+                        ring[sa, n, e] = (((ring[sa, n, e] + a0 * v0) + a1 * v1)
+                                          + a2 * v2) + a3 * v3
+                        ring[sb, n, e] = (((ring[sb, n, e] + b0 * v0) + b1 * v1)
+                                          + b2 * v2) + b3 * v3
+                else:                 # a short group, or more than two windows
+                    for q in range(r, min(r + GROUP, nxt)):
+                        _add_token(ring, xf, x, b, s0, q, n, wt, lo, hi, stride)
+        if nxt == lo * stride + block:  # window lo closed at nxt - 1
+            _emit_window(ring, sa, out, b, row0 + lo)
+        rel = nxt
 
 
-@jit_parallel
-def compress_forward_rows(x, w, out, tiles, stride, D, scratch):
-    """``compress_forward`` one token per pass over D: faster for short token rows.
+@jit
+def _forward_rows(x, wt, out, tiles, tile, stride, D, row):
+    """``_forward_grouped`` one token per pass over D: faster for short token rows.
 
     Same arguments, same segments, same sums in the same order, so the same bits;
     ``_dispatch`` picks it when N * D < GROUPED_MIN_ROW (on short rows the four-row
@@ -253,52 +250,50 @@ def compress_forward_rows(x, w, out, tiles, stride, D, scratch):
     rows are too short for the hardware prefetchers to run far ahead, least of all
     when they are slices of longer rows.
     """
-    wt = weight_table(w)
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
     # the bytes of a token row the kernel reads, and how many rows ahead to prefetch
     row_bytes = ((N - 1) * x.shape[3] + D) * x.itemsize if N > 0 else 0
     ahead = max(1, AHEAD_BYTES // max(row_bytes, 1))
-    for unit in prange(tiles.shape[0]):
-        b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
-                                                          stride)
-        ring, xf = _forward_scratch(scratch[get_thread_id()], ring_size, N, D)
-        while rel < rel_end:
-            lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
-            if lo > hi:           # between windows (d > l): never read
-                rel = nxt
-                continue
-            sa = lo % ring_size
-            sb = hi % ring_size
-            for r in range(rel, nxt):
-                t = s0 + r
-                if t + ahead < x.shape[1]:
-                    for offset in range(0, row_bytes, LINE_BYTES):
-                        prefetch_row(x, b, t + ahead, offset)
-                ja = r - lo * stride
-                for n in range(N):
-                    wa = wt[n, ja]
-                    if lo == hi:
-                        for e in range(D):
-                            ring[sa, n, e] += wa * widen(x[b, t, n, e])
-                    elif lo + 1 == hi:  # the common case l <= 2d: one pass for both
-                        wb = wt[n, ja - stride]
-                        for e in range(D):
-                            v = widen(x[b, t, n, e])
-                            ring[sa, n, e] += wa * v
-                            ring[sb, n, e] += wb * v
-                    else:
-                        _add_token(ring, xf, x, b, s0, r, n, wt, lo, hi, stride)
-            if nxt == lo * stride + block:  # window lo closed at nxt - 1
-                _emit_window(ring, sa, out, b, row0 + lo)
+    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block,
+                                                      stride)
+    ring, xf = _forward_scratch(row, ring_size, N, D)
+    while rel < rel_end:
+        lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
+        if lo > hi:           # between windows (d > l): never read
             rel = nxt
+            continue
+        sa = lo % ring_size
+        sb = hi % ring_size
+        for r in range(rel, nxt):
+            t = s0 + r
+            if t + ahead < x.shape[1]:
+                for offset in range(0, row_bytes, LINE_BYTES):
+                    prefetch_row(x, b, t + ahead, offset)
+            ja = r - lo * stride
+            for n in range(N):
+                wa = wt[n, ja]
+                if lo == hi:
+                    for e in range(D):
+                        ring[sa, n, e] += wa * widen(x[b, t, n, e])
+                elif lo + 1 == hi:  # the common case l <= 2d: one pass for both
+                    wb = wt[n, ja - stride]
+                    for e in range(D):
+                        v = widen(x[b, t, n, e])
+                        ring[sa, n, e] += wa * v
+                        ring[sb, n, e] += wb * v
+                else:
+                    _add_token(ring, xf, x, b, s0, r, n, wt, lo, hi, stride)
+        if nxt == lo * stride + block:  # window lo closed at nxt - 1
+            _emit_window(ring, sa, out, b, row0 + lo)
+        rel = nxt
 
 
 @jit(inline="always")
 def _token_step(x, b, t, n, e0, fetch, t0, at, stop, row_stride, row_bytes):
     """(``x[b, t, n, e0:e0 + WIDTH]`` widened to a vector, at, stop): one token step of
-    a ``compress_forward_simd`` pass, first prefetching the next line after row t0
+    a ``_forward_simd`` pass, first prefetching the next line after row t0
     when ``fetch`` (see ``_prefetch_line``)."""
     if fetch:
         at, stop = _prefetch_line(x, b, t0, at, stop, row_stride, row_bytes)
@@ -330,9 +325,9 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
         vstore(ring, p, acc)
 
 
-@jit_parallel
-def compress_forward_simd(x, w, out, tiles, stride, D, scratch):
-    """``compress_forward_rows`` with the window sums in registers: faster on short rows
+@jit(inline="always")
+def _forward_simd(x, w, out, tiles, stride, D, scratch):
+    """``_forward_rows`` with the window sums in registers: faster on short rows
     and on rows of up to ``_dispatch.SIMD_ROW_BYTES``.
 
     Same arguments, same segments, same sums in the same order, so the same bits.
@@ -465,16 +460,15 @@ def _backward_token(x, wt, ig, gring, lanes, xf, ia, b, t, rel, lo, hi, stride, 
                 ig[b, t, n, e] = narrow(ia[e], ig)
 
 
-def _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D,
-                 vector):
-    """The terms of tokens t and t + d (see ``compress_backward``): t at offset ``ja``
+@jit(inline="always")
+def _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D):
+    """The terms of tokens t and t + d (see ``_backward_tiles``): t at offset ``ja``
     of the window whose gradient row is in ring slot ``sa`` and at ``ja - d`` of the
     next one (slot ``sb``), t + d likewise of the windows in slots sb and sc.
 
     ``gring`` and ``lanes`` are views of ``mine``, the ring at its start and the
-    lanes ``lanes_at`` elements on. In compiled code, for storage dtypes ``_simd``
-    converts, ``vector`` runs the same sums in ``_simd`` vectors instead of the loop
-    below (``_pair_tokens_vector``): same operations in the same order, same bits.
+    lanes ``lanes_at`` elements on. ``_pair_tokens_vector`` runs the same sums in
+    ``_simd`` vectors: same operations in the same order, same bits.
     """
     zero = lanes.dtype.type(0)
     jb = ja - stride
@@ -493,12 +487,12 @@ def _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, 
             lanes[jb, n, e] = (lanes[jb, n, e] + q * v) + s * vu
 
 
-_pair_tokens_scalar = jit(inline="always")(_pair_tokens)
-
-
 @jit(inline="always")
-def _pair_tokens_vector(x, wt, ig, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D):
-    """``_pair_tokens`` over ``SHORT_WIDTH`` elements at a time; D a multiple of it."""
+def _pair_tokens_vector(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride,
+                        D):
+    """``_pair_tokens`` over ``SHORT_WIDTH`` elements at a time of ``mine`` (not through
+    its views ``gring`` and ``lanes``); D a multiple of SHORT_WIDTH, ``x`` and ``ig`` of
+    one storage dtype that ``_simd`` converts."""
     N = wt.shape[0]
     jb = ja - stride
     u = t + stride
@@ -527,53 +521,39 @@ def _pair_tokens_vector(x, wt, ig, mine, lanes_at, b, t, ja, sa, sb, sc, stride,
             vstore(mine, lb + e0, vmul_add(vmul_add(vload_short(mine, lb + e0), q, v), s, vu))
 
 
-@overload(_pair_tokens, inline="always", jit_options=OVERLOAD_OPTIONS)
-def _pair_tokens_typed(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride,
-                       D, vector):
-    if not (x.dtype == ig.dtype and x.dtype in VECTOR_DTYPES):
-        return _pair_tokens
+def _backward_with(pair_tokens, name):
+    """The backward's body, with ``pair_tokens`` for its token pairs: a body per
+    kernel, each compiling only its own pair loop (both in one kernel, chosen at run
+    time, cost a second of compile time)."""
 
-    def both(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D,
-             vector):
-        if vector:
-            _pair_tokens_vector(x, wt, ig, mine, lanes_at, b, t, ja, sa, sb, sc, stride, D)
-        else:
-            _pair_tokens_scalar(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb,
-                                sc, stride, D, vector)
-    return both
+    def backward_tile(g, x, wt, ig, partials, tiles, tile, stride, D, mine):
+        """Both gradients in one pass over ``x``; a unit is one tile, all heads.
 
+        ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
+        (0 where no window covers t).
 
-@jit_parallel
-def compress_backward(g, x, w, ig, partials, tiles, stride, D, scratch, vector):
-    """Both gradients in one pass over ``x``; a unit is one tile, all heads.
+        partials[tile, n, j] = this tile's share of sum_i dot(g[i, n], x[start_i + j, n]):
+        per element e, the products over the tile's tokens in order (``lanes[j, n, e]``),
+        then those D sums folded by ``_fold_rows``.
 
-    ig[t, n] = sum over windows i covering t, in order, of wt[n, t - start_i] * g[i, n]
-    (0 where no window covers t).
+        The tokens go in pairs of blocks of d (``stride``) tokens from a window start:
+        tokens r and r + d are the only ones of the pair that add to the same lanes
+        (r through window i, r + d through window i + 1, for each window i covering
+        r), and r's term comes first in the token order. So when both are covered by two
+        windows (the common case l <= 2d, away from sequence and tile edges), one pass
+        over D does both: it reads three gradient rows instead of four and each lane
+        once instead of twice, with the same sums in the same order. Other tokens go
+        one at a time (``_backward_token``).
 
-    partials[tile, n, j] = this tile's share of sum_i dot(g[i, n], x[start_i + j, n]):
-    per element e, the products over the tile's tokens in order (``lanes[j, n, e]``),
-    then those D sums folded by ``_fold_rows``.
-
-    The tokens go in pairs of blocks of d (``stride``) tokens from a window start:
-    tokens r and r + d are the only ones of the pair that add to the same lanes
-    (r through window i, r + d through window i + 1, for each window i covering
-    r), and r's term comes first in the token order. So when both are covered by two
-    windows (the common case l <= 2d, away from sequence and tile edges), one pass
-    over D does both: it reads three gradient rows instead of four and each lane
-    once instead of twice, with the same sums in the same order. Other tokens go
-    one at a time (``_backward_token``).
-
-    Gradient rows are decoded into a ring of ceil(l / d) + 1 slots as their windows
-    open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
-    ``vector``: whether the pairs go through ``_simd`` vectors (``_pair_tokens``;
-    ``_dispatch.backward_vector`` says when they can).
-    """
-    wt = weight_table(w)
-    N = wt.shape[0]
-    block = wt.shape[1]
-    ring_size = ring_slots(block, stride) + 1
-    for unit in prange(tiles.shape[0]):
-        tile = np.int64(unit)
+        Gradient rows are decoded into a ring of ceil(l / d) + 1 slots as their windows
+        open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
+        The pairs go through ``pair_tokens``: ``_pair_tokens``, or in
+        ``compress_backward_simd`` ``_pair_tokens_vector`` (``_dispatch.backward_vector``
+        says when it can).
+        """
+        N = wt.shape[0]
+        block = wt.shape[1]
+        ring_size = ring_slots(block, stride) + 1
         b = tiles[tile, BATCH]
         s0 = tiles[tile, S0]
         rel = tiles[tile, TOK_LO] - s0
@@ -581,7 +561,6 @@ def compress_backward(g, x, w, ig, partials, tiles, stride, D, scratch, vector):
         first = tiles[tile, G0]             # windows first..last touch the owned tokens
         last = tiles[tile, G1] - 1
         row0 = tiles[tile, KW0]
-        mine = scratch[get_thread_id()]
         at = ring_size * N * D
         gring = mine[:at].reshape((ring_size, N, D))
         lanes = mine[at:at + block * N * D].reshape((block, N, D))
@@ -607,9 +586,9 @@ def compress_backward(g, x, w, ig, partials, tiles, stride, D, scratch, vector):
                 lo, hi = _covering(r, block, stride, first, last)
                 lo_u, hi_u = _covering(u, block, stride, first, last)
                 if u < end and lo + 1 == hi and lo_u == hi and hi_u == hi + 1:
-                    _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t,
-                                 r - lo * stride, lo % ring_size, hi % ring_size,
-                                 hi_u % ring_size, stride, D, vector)
+                    pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t,
+                                r - lo * stride, lo % ring_size, hi % ring_size,
+                                hi_u % ring_size, stride, D)
                 else:
                     # r, then r + d if the tile has it; a loop rather than two calls, as
                     # the helper is inlined (two copies cost seconds of compile time)
@@ -622,6 +601,13 @@ def compress_backward(g, x, w, ig, partials, tiles, stride, D, scratch, vector):
         for n in range(N):
             for j in range(block):
                 partials[tile, n, j] = zero + lanes[j, n, 0] if D > 0 else zero
+
+    backward_tile.__name__ = backward_tile.__qualname__ = name     # its own cache entry
+    return jit(backward_tile)
+
+
+_backward_tile = _backward_with(_pair_tokens, "_backward_tile")
+_backward_tile_simd = _backward_with(_pair_tokens_vector, "_backward_tile_simd")
 
 
 @jit
@@ -656,15 +642,30 @@ def reduce_weight_grad(partials, wg):
             wg[j, n] = narrow(partials[0, n, j], wg)
 
 
-# -- calls that come again --------------------------------------------------------
-# A prepared call (``_dispatch.Prepared``) launches through one of these: they take
-# the caller's C-contiguous arrays in their storage dtype and shape, check in machine
-# code that the outputs share no byte with the inputs (False, nothing written, when
-# they may: the caller then goes the full path, which says why), reshape them to the
-# kernel's [B, S, N, D] (``dims``: one row per such array) and run the kernel. After
-# a cache flush each of those steps costs a Python call microseconds (docs/
-# performance.md, "Figures behind the code's choices"); here they cost next to
-# nothing, and the backward's weight-gradient reduction needs no second launch.
+# -- the training kernels ----------------------------------------------------------
+# What the dispatcher launches: one compiled function per kernel, which both a
+# first call and a prepared call that comes again (``_dispatch.Prepared``) run, so
+# each compiles once per dtype and layout. A first call passes the caller's arrays
+# in their storage dtype and own shape where they are C-contiguous (as a prepared
+# call always does), else ``[B, S, N, D]`` storage views; ``dims`` holds the
+# ``[B, S, N, D]`` of each array a kernel reshapes (``_as_rows``). With ``check``,
+# as a prepared call asks, a kernel first checks that the outputs share no byte
+# with the inputs and returns False, writing nothing, when they may (the caller then
+# goes the full path, which says why); a first call has checked that already and
+# passes False. The bodies above are inlined into them.
+
+def _as_rows(a, dims, i):
+    """``a`` as the kernels' ``[B, S, N, D]``: as it is when it has four axes (a
+    storage view, any strides), else a C-contiguous ``a`` reshaped to ``dims[i]``."""
+    return a if a.ndim == 4 else a.reshape(tuple(int(d) for d in dims[i]))
+
+
+@overload(_as_rows, inline="always", jit_options=OVERLOAD_OPTIONS)
+def _as_rows_typed(a, dims, i):
+    if a.ndim == 4:
+        return lambda a, dims, i: a
+    return lambda a, dims, i: a.reshape((dims[i, 0], dims[i, 1], dims[i, 2], dims[i, 3]))
+
 
 @jit(inline="always")
 def _apart(a, b):
@@ -675,53 +676,79 @@ def _apart(a, b):
             or start_b + b.size * b.itemsize <= start_a)
 
 
-@jit(inline="always")
-def _as_rows(a, dims, i):
-    """C-contiguous ``a`` reshaped to ``dims[i]`` (a [B, S, N, D] shape)."""
-    return a.reshape((dims[i, 0], dims[i, 1], dims[i, 2], dims[i, 3]))
-
-
-@jit(inline="always")
-def _fast_forward_views(x, w, out, dims):
-    """(whether ``out`` shares no byte with ``x`` or ``w``, x and out as [B, S, N, D])."""
-    return _apart(out, x) and _apart(out, w), _as_rows(x, dims, 0), _as_rows(out, dims, 1)
-
-
-@jit
-def compress_fast_forward(x, w, out, rows, dims, tiles, stride, D):
-    """``compress_forward`` for a kept call (above)."""
-    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
-    if apart:
-        compress_forward(x4, w, out4, tiles, stride, D, rows)
-    return apart
-
-
-@jit
-def compress_fast_forward_rows(x, w, out, rows, dims, tiles, stride, D):
-    """``compress_forward_rows`` for a kept call (above)."""
-    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
-    if apart:
-        compress_forward_rows(x4, w, out4, tiles, stride, D, rows)
-    return apart
-
-
-@jit
-def compress_fast_forward_simd(x, w, out, rows, dims, tiles, stride, D):
-    """``compress_forward_simd`` for a kept call (above)."""
-    apart, x4, out4 = _fast_forward_views(x, w, out, dims)
-    if apart:
-        compress_forward_simd(x4, w, out4, tiles, stride, D, rows)
-    return apart
-
-
-@jit
-def compress_fast_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, vector):
-    """``compress_backward`` then ``reduce_weight_grad`` for a kept call (above)."""
-    if not (_apart(ig, g) and _apart(ig, x) and _apart(ig, w) and _apart(wg, g)
-            and _apart(wg, x) and _apart(wg, w) and _apart(wg, ig)):
+@jit_parallel
+def compress_forward(x, w, out, rows, dims, tiles, stride, D, check):
+    """The forward, GROUP tokens per pass over D (``_forward_grouped``); see above."""
+    if check and not (_apart(out, x) and _apart(out, w)):
         return False
-    compress_backward(_as_rows(g, dims, 0), _as_rows(x, dims, 1), w, _as_rows(ig, dims, 2),
-                      partials, tiles, stride, D, rows, vector)
+    x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
+    for unit in prange(tiles.shape[0]):
+        _forward_grouped(x4, wt, out4, tiles, np.int64(unit), stride, D,
+                         rows[get_thread_id()])
+    return True
+
+
+@jit_parallel
+def compress_forward_rows(x, w, out, rows, dims, tiles, stride, D, check):
+    """The forward, one token per pass over D (``_forward_rows``); see above."""
+    if check and not (_apart(out, x) and _apart(out, w)):
+        return False
+    x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
+    for unit in prange(tiles.shape[0]):
+        _forward_rows(x4, wt, out4, tiles, np.int64(unit), stride, D, rows[get_thread_id()])
+    return True
+
+
+@jit_parallel
+def compress_forward_simd(x, w, out, rows, dims, tiles, stride, D, check):
+    """The forward, window sums in registers (``_forward_simd``); see above."""
+    if check and not (_apart(out, x) and _apart(out, w)):
+        return False
+    _forward_simd(_as_rows(x, dims, 0), w, _as_rows(out, dims, 1), tiles, stride, D, rows)
+    return True
+
+
+@jit(inline="always")
+def _backward_apart(g, x, w, ig, wg):
+    """Whether the backward's outputs share no byte with its inputs or each other."""
+    return (_apart(ig, g) and _apart(ig, x) and _apart(ig, w) and _apart(wg, g)
+            and _apart(wg, x) and _apart(wg, w) and _apart(wg, ig))
+
+
+@jit(inline="always")
+def _backward_views(g, x, w, ig, dims):
+    """(g, x, input_grad as ``[B, S, N, D]``, the weight table)."""
+    return _as_rows(g, dims, 0), _as_rows(x, dims, 1), _as_rows(ig, dims, 2), weight_table(w)
+
+
+# The two backward kernels are written out: a closure over its tile function, made
+# by a factory as the tile functions are, would compile again in every process
+# (Numba cannot match a closure over a compiled function to its cache entry), and
+# unlike the tile functions the kernels are what a process loads from the cache.
+
+@jit_parallel
+def compress_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, check):
+    """Both gradients (``_backward_tile`` per tile, then ``reduce_weight_grad``); see
+    above."""
+    if check and not _backward_apart(g, x, w, ig, wg):
+        return False
+    g4, x4, ig4, wt = _backward_views(g, x, w, ig, dims)
+    for unit in prange(tiles.shape[0]):
+        _backward_tile(g4, x4, wt, ig4, partials, tiles, np.int64(unit), stride, D,
+                       rows[get_thread_id()])
+    reduce_weight_grad(partials, wg)
+    return True
+
+
+@jit_parallel
+def compress_backward_simd(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, check):
+    """``compress_backward`` with the token pairs in ``_simd`` vectors."""
+    if check and not _backward_apart(g, x, w, ig, wg):
+        return False
+    g4, x4, ig4, wt = _backward_views(g, x, w, ig, dims)
+    for unit in prange(tiles.shape[0]):
+        _backward_tile_simd(g4, x4, wt, ig4, partials, tiles, np.int64(unit), stride, D,
+                            rows[get_thread_id()])
     reduce_weight_grad(partials, wg)
     return True
 

@@ -83,8 +83,8 @@ def record_launch_threads():
 
         def entry_recorded(*args):
             seen[-1][0] = numba.get_num_threads()
-            return prepared.entry(*args)
-        return run_kept(replace(prepared, entry=entry_recorded), threads, *views)
+            return prepared.kernel(*args)
+        return run_kept(replace(prepared, kernel=entry_recorded), threads, *views)
 
     def recording_launch(kernel, threads, *args):
         def kernel_recorded(*args):

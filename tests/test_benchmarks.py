@@ -123,8 +123,8 @@ def test_python_to_launch_stops_at_the_launch():
     measured, us = nsa_bench.python_to_launch(case, rounds=3)
     assert measured is case and set(us) == {"forward", "backward"}
     assert all(v > 0 for v in us.values())
-    entries = [p.entry for p in _pipeline.prepared_calls()]
-    assert entries and all(e in _dispatch._ENTRIES.values() for e in entries)   # put back
+    kernels = [p.kernel for p in _pipeline.prepared_calls()]
+    assert kernels and all(k in _dispatch.KERNELS for k in kernels)    # put back
 
 
 def test_first_call_snippet_runs():

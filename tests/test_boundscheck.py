@@ -28,8 +28,9 @@ tiles[:, _tiles.NW] += 5          # five windows beyond the input's last token
 tiles[:, _tiles.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
-    getattr(_kernels, sys.argv[1])(plan.storage("input"), plan.storage("weight"),
-                                   plan.storage("out"), tiles, 16, D, scratch)
+    x, out = plan.storage("input"), plan.storage("out")
+    getattr(_kernels, sys.argv[1])(x, plan.storage("weight"), out, scratch,
+                                   np.array([x.shape, out.shape]), tiles, 16, D, False)
 except Exception as err:
     # a parallel region re-raises it as SystemError with the IndexError as its cause
     chain = [err, err.__cause__, err.__context__]
@@ -73,9 +74,11 @@ tiles[0, _tiles.G0] = 1
 tiles[0, _tiles.G1] = 4
 short = plan.storage("input")[:, :40]
 try:
-    _kernels.compress_backward(plan.storage("grad"), short, plan.storage("weight"),
-                               plan.storage("input_grad"), partials, tiles, 16, 64,
-                               scratch, True)
+    g, ig = plan.storage("grad"), plan.storage("input_grad")
+    _kernels.compress_backward_simd(g, short, plan.storage("weight"), ig,
+                                    plan.storage("weight_grad"), partials, scratch,
+                                    np.array([g.shape, short.shape, ig.shape]), tiles, 16,
+                                    64, False)
 except Exception as err:
     chain = [err, err.__cause__, err.__context__]
     assert any(isinstance(e, IndexError) for e in chain), repr(chain)

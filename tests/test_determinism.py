@@ -88,7 +88,7 @@ def test_threads_caps_the_calls_in_its_block(monkeypatch):
                          *args)
 
     def recording_kept(prepared, threads, *views):      # a call that came again
-        return real_kept(replace(prepared, entry=recorded(prepared.entry)), threads, *views)
+        return real_kept(replace(prepared, kernel=recorded(prepared.kernel)), threads, *views)
 
     monkeypatch.setattr(_threading, "call_with_threads", recording_call)
     monkeypatch.setattr(_dispatch, "run_prepared", recording_kept)

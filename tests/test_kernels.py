@@ -27,11 +27,7 @@ def test_forward_kernels_agree(N, D, block, stride, seq, dtype):
     _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
     results = []
     for kernel in (_kernels.compress_forward, _kernels.compress_forward_rows):
-        out = plan.storage("out")
-        out[...] = 0
-        kernel(plan.storage("input"), plan.storage("weight"), out, plan.tiles, plan.stride,
-               plan.D, scratch)
-        results.append(out.copy())
+        results.append(_run_forward(kernel, plan, scratch))
     assert np.array_equal(results[0], results[1])
 
 
@@ -45,11 +41,17 @@ def _specials(a, dtype):
     flat[13::61] = 0
 
 
+def _dims(*views):
+    """The ``dims`` argument of a training kernel given ``[B, S, N, D]`` views."""
+    return np.array([v.shape for v in views], np.int64)
+
+
 def _run_forward(kernel, plan, scratch):
-    out = plan.storage("out")
+    """``kernel`` run on the plan's storage views, as a first call does."""
+    x, out = plan.storage("input"), plan.storage("out")
     out[...] = 0
-    kernel(plan.storage("input"), plan.storage("weight"), out, plan.tiles, plan.stride,
-           plan.D, scratch)
+    assert kernel(x, plan.storage("weight"), out, scratch, _dims(x, out), plan.tiles,
+                  plan.stride, plan.D, False)
     return out.copy()
 
 
@@ -173,12 +175,12 @@ def test_dispatch_picks_by_row_length():
 def _run_backward(plan, vector):
     workspace = _dispatch.new_workspace(plan)
     partials, scratch = _dispatch.carve(plan, workspace)
-    ig = plan.storage("input_grad")
+    g, x, ig = plan.storage("grad"), plan.storage("input"), plan.storage("input_grad")
     ig[...] = 0
-    _kernels.compress_backward(plan.storage("grad", workspace), plan.storage("input", workspace),
-                               plan.storage("weight"), ig, partials, plan.tiles,
-                               plan.stride, plan.D, scratch, vector)
-    return ig.copy(), partials.copy()
+    kernel = _kernels.compress_backward_simd if vector else _kernels.compress_backward
+    assert kernel(g, x, plan.storage("weight"), ig, plan.storage("weight_grad"), partials,
+                  scratch, _dims(g, x, ig), plan.tiles, plan.stride, plan.D, False)
+    return ig.copy(), partials.copy()   # the float32 per-tile sums (tile 0: their total)
 
 
 @pytest.mark.parametrize("N,D,block,stride,seq", [

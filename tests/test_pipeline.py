@@ -381,8 +381,8 @@ def test_a_prepared_call_is_one_record_built_by_keyword(plans):
         nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
     (prepared,) = _pipeline.prepared_calls()
     assert isinstance(prepared, _dispatch.Prepared) and prepared.op == "grad"
-    assert prepared.entry is _dispatch._ENTRIES[_dispatch._kernels.compress_backward]
+    assert prepared.kernel is _dispatch._kernels.compress_backward_simd     # float32, D = 32
     assert prepared.allocate[3] == x.shape and prepared.allocate[4] == w.shape
     with pytest.raises(TypeError):
-        _dispatch.Prepared(prepared.op, prepared.entry)        # keywords only
+        _dispatch.Prepared(prepared.op, prepared.kernel)        # keywords only
     assert plans["grad"] == 1

@@ -198,9 +198,9 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
     """Medians of the microseconds a call that comes again spends in Python before its
     kernel launch, after a cache flush (NumPy API, forward and backward, ``case``:
     bench's first shape in bf16). The call stops where it would launch: Numba's
-    dispatch and the compiled code (the prepared call's entry, ``_kernels``) are not run,
+    dispatch and the compiled code (the prepared call's kernel, ``_kernels``) are not run,
     so what is timed is the Python work alone, which ``--split`` can only show as the
-    noisy difference of two timings. The stop stands in for the kept calls' entries
+    noisy difference of two timings. The stop stands in for the kept calls' kernels
     meanwhile: for bench's own process only, where no other thread calls the
     library."""
     case = case or Case(*DEFAULT_SHAPES[0], "bf16")
@@ -223,7 +223,7 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
     cache = _pipeline._prepared
     kept = cache.items()
     for key, prepared in kept:
-        cache.replace(key, replace(prepared, entry=stop))
+        cache.replace(key, replace(prepared, kernel=stop))
     try:
         for _ in range(rounds):
             for name, fn in calls.items():
