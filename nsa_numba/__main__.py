@@ -131,8 +131,12 @@ def _bench(args):
 
 def _warmup(args):
     from . import _firstrun, _warmup
+    if args.jobs is not None and args.jobs < 1:
+        raise SystemExit(f"python -m nsa_numba warmup: --jobs must be at least 1, got "
+                         f"{args.jobs}")
     _firstrun.compile_messages(False)   # the steps say what is compiling
-    _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided, times=args.times)
+    _warmup.warmup(args.dtype or _warmup.DTYPES, strided=args.strided, times=args.times,
+                   jobs=args.jobs or _warmup.default_jobs())
     return 0
 
 
@@ -174,6 +178,9 @@ def main(argv=None):
     p.add_argument("--times", action="store_true",
                    help="also print what compiled: kernel, dtype, variant (array layouts), "
                         "seconds and LLVM IR size (empty on a warm cache)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="compile the dtypes in up to N processes at once (default: one "
+                        "per core)")
     p.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,8 +1,13 @@
 """Compiling ahead: :func:`warmup` (``python -m nsa_numba warmup``) runs small
 problems that reach every kernel for the chosen dtypes (and, on request, common
-strided views), so that an image or a CI cache can carry the compiled code.
+strided views), so that an image or a CI cache can carry the compiled code. On
+the command line it compiles the dtypes in a process each, as many at once as
+there are cores (Numba compiles on one core per process).
 """
 
+import json
+import os
+import subprocess
 import sys
 import time
 
@@ -97,25 +102,42 @@ def _steps(dtype, strided):
     return steps
 
 
-def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout, times=False):
+def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout, times=False, jobs=1):
     """Compile (or load from the cache) the kernels of ``ops`` (see ``OPS``) for
     ``dtypes`` (short names, see ``DTYPES``) on contiguous arrays, and with ``strided``
     on common views too; prints each step and its time to ``out`` and returns the
     total seconds. ``times``: also print what compiled, one row per kernel or helper
-    variant (``compile_table``)."""
-    records = _firstrun.record() if times else None
-    try:
-        return _warmup(dtypes, ops, strided, out, records)
-    finally:
-        if times:
-            _firstrun.record(False)
-
-
-def _warmup(dtypes, ops, strided, out, records):
+    variant (``compile_table``). ``jobs``: compile the dtypes in up to this many
+    processes at once (Numba compiles on one core per process; the kernel cache takes
+    concurrent writers)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"warmup: jobs must be an integer >= 1, got {jobs!r}")
     start = time.perf_counter()
     where = cache_dir()
     print(f"nsa_numba warmup: {', '.join(dtypes)}; cache "
-          f"{where or 'off (nothing will be kept)'}", file=out, flush=True)
+          f"{where or 'off (nothing will be kept)'}"
+          + (f"; {min(jobs, len(dtypes))} processes" if jobs > 1 and len(dtypes) > 1 else ""),
+          file=out, flush=True)
+    if jobs > 1 and len(dtypes) > 1 and where:
+        lines, records = _in_processes(dtypes, ops, strided, jobs)
+        for line in lines:
+            print(line, file=out, flush=True)
+    else:
+        records = _firstrun.record() if times else None
+        try:
+            _steps_run(dtypes, ops, strided, out, records)
+        finally:
+            if times:
+                _firstrun.record(False)
+    total = time.perf_counter() - start
+    print(f"done in {total:.1f} s", file=out, flush=True)
+    if times:
+        print(compile_table(records), file=out, flush=True)
+    return total
+
+
+def _steps_run(dtypes, ops, strided, out, records):
+    """Run the steps of ``dtypes`` here, one line each to ``out``."""
     plan = [(name, label, fn) for name in dtypes
             for op, label, fn in _steps(_numpy_dtype(name), strided) if op in ops]
     for i, (name, label, fn) in enumerate(plan, 1):
@@ -124,11 +146,55 @@ def _warmup(dtypes, ops, strided, out, records):
         step = f"[{i}/{len(plan)}]"
         print(f"  {step:<8}{name:<6}{label:<36}{time.perf_counter() - t:6.1f} s", file=out,
               flush=True)
-    total = time.perf_counter() - start
-    print(f"done in {total:.1f} s", file=out, flush=True)
-    if records is not None:
-        print(compile_table(records), file=out, flush=True)
-    return total
+
+
+def default_jobs():
+    """The cores this process may run on: ``warmup``'s process count on the command
+    line."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        return os.cpu_count() or 1
+
+
+#: what a ``_in_processes`` child runs: one dtype's steps, then its lines and what it
+#: compiled as one JSON line
+_CHILD = """
+import io, json, sys
+from nsa_numba import _firstrun, _warmup
+out, records = io.StringIO(), _firstrun.record()
+_warmup._steps_run([sys.argv[1]], tuple(sys.argv[3:]), sys.argv[2] == "1", out, records)
+print(json.dumps({"lines": out.getvalue().splitlines(), "records": records}))
+"""
+
+
+def _in_processes(dtypes, ops, strided, jobs):
+    """(step lines, compile records) of each dtype's steps run in a process of its own,
+    at most ``jobs`` at a time, in ``dtypes``' order."""
+    env = dict(os.environ, NSA_NUMBA_QUIET="1")
+    waiting, running, done = list(dtypes), {}, {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                name = waiting.pop(0)
+                running[name] = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, name, "1" if strided else "0", *ops],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            finished = [name for name, proc in running.items() if proc.poll() is not None]
+            if not finished:
+                time.sleep(0.05)
+            for name in finished:
+                stdout, stderr = running.pop(name).communicate()
+                if not stdout.strip():
+                    raise RuntimeError(f"warmup of {name} failed in its process:\n{stderr}")
+                done[name] = json.loads(stdout.splitlines()[-1])
+    finally:
+        for proc in running.values():
+            proc.kill()
+            proc.wait()
+    lines = [line for name in dtypes for line in done[name]["lines"]]
+    records = [tuple(r) for name in dtypes for r in done[name]["records"]]
+    return lines, records
 
 
 def compile_table(records):

@@ -101,8 +101,8 @@ def test_warmup_compiles_what_calls_need(cold):
     # --times: what compiled, one row per kernel or helper variant, then the total
     assert lines[15].split() == ["compiled", "dtype", "variant", "seconds", "IR", "KiB"]
     rows = [line.split() for line in lines[16:-1]]
-    backward = [r for r in rows if r[0] == "compress_backward"]
-    assert {r[2] for r in backward} >= {"CCCCCCC", "ACCCCCC"}     # a contraction's grad
+    backward = [r for r in rows if r[0] == "compress_backward_simd"]   # D = 2 * WIDTH
+    assert {r[2] for r in backward} >= {"CCCCCCCCC", "ACCCCCCCC"}   # a contraction's grad
     assert all(r[1] == "float32" and float(r[3]) > 0 and int(r[4]) > 0 for r in backward)
     assert lines[-1].split()[0] == "total"
     assert abs(float(lines[-1].split()[1]) - sum(float(r[3]) for r in rows)) <= 0.01 * len(rows)
@@ -120,3 +120,45 @@ def test_warmup_covers_a_torch_training_step(cold):
     assert proc.stderr == ""
     step = cold(code=TORCH_STEP)
     assert step.stderr == "", step.stderr
+
+
+#: what a cold ``python -m nsa_numba demo`` (one dtype, forward and backward, each
+#: called twice) may compile: the planning helpers, then one forward and one backward
+#: kernel, one variant each. A change that compiles more (a second variant for the
+#: call that comes again, a helper compiled apart) breaks this budget; the attention
+#: operators keep to the same shape: one compiled function per kernel and layout.
+DEMO_BUDGET = {"the planning helper": 3, "the kernel": 2}
+
+
+def test_the_demo_compiles_within_its_budget(cold):
+    lines = cold("demo").stderr.splitlines()
+    compiled = [line.split(" ", 2)[2] for line in lines if line.startswith("nsa_numba: ")]
+    counts = {kind: sum(what.startswith(kind) for what in compiled) for kind in DEMO_BUDGET}
+    assert counts == DEMO_BUDGET and len(compiled) == sum(DEMO_BUDGET.values()), compiled
+    kernels = [what.split()[2] for what in compiled if what.startswith("the kernel")]
+    assert kernels[0] == "compress_forward" and kernels[1].startswith("compress_backward")
+    # and all of it loads from the cache in the next process (a kernel Numba cannot
+    # match to its cache entry, such as a closure over a compiled function, would not)
+    assert "nsa_numba: compiling" not in cold("demo").stderr
+
+
+def test_warmup_in_processes_compiles_each_dtype_once(cold):
+    proc = cold("warmup", "--dtype", "fp32", "--dtype", "fp64", "--jobs", "2", "--times")
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith("; 2 processes")
+    steps = [line.split() for line in lines[1:] if line.startswith("  [")]
+    assert [s[1] for s in steps] == ["fp32"] * 7 + ["fp64"] * 7
+    start = next(i for i, line in enumerate(lines) if line.startswith("compiled"))
+    kernels = [tuple(line.split()[:3]) for line in lines[start + 1:-1]
+               if line.startswith("compress_")]
+    assert {k[1] for k in kernels} == {"float32", "float64"}
+    assert len(kernels) == len(set(kernels))            # no kernel variant compiled twice
+    again = cold("warmup", "--dtype", "fp32", "--dtype", "fp64", "--times")
+    assert again.stdout.splitlines()[-1].startswith("nothing compiled")
+
+
+def test_warmup_refuses_a_process_count_below_one():
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "warmup", "--jobs", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--jobs must be at least 1, got 0" in proc.stderr
