@@ -110,7 +110,8 @@ def info(args):
         ("cpu", f"{platform.machine()} {numba.config.CPU_NAME or _host_cpu_name()}"),
         ("vector path", f"{_target.vector_isa()} ({_target.vector_bits()}-bit registers): "
                         f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
-        ("float16 path", "F16C instructions" if _halfprec.HAVE_F16C else "portable integer code"),
+        ("float16 path", f"{_halfprec.HALF_INSTRUCTIONS} instructions"
+                         if _halfprec.HARDWARE_HALF else "portable integer code"),
         ("kernel cache", getattr(cache, "_cache_path", None) or "disabled"),
         ("output pool", f"up to {budget >> 20} MiB of allocated outputs of "
                         f"{_pool.MIN_BYTES >> 20} MiB or more"

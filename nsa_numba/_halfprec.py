@@ -7,8 +7,9 @@ bits are in, so Numba's ordinary type dispatch picks the conversion at compile t
 =========== ================ =========================================
 storage     format           decode / encode
 =========== ================ =========================================
-``uint16``  IEEE float16     F16C instructions when the target has them,
-                             else integer bit manipulation
+``uint16``  IEEE float16     conversion instructions where the target has
+                             them (F16C, AArch64's FCVT), else integer
+                             bit manipulation
 ``int16``   bfloat16         16-bit shift / round to nearest even
 ``float32`` float32          identity
 ``float64`` float64          identity
@@ -27,7 +28,8 @@ to 64 bits, which would halve the SIMD width of every conversion.
 
 Encoding rounds to nearest, ties to even. Overflow gives infinity. NaN keeps its
 sign and leading payload bits and comes out quiet, in both directions and on both
-float16 paths (this is what F16C does; the portable code matches it bit for bit).
+float16 paths (this is what F16C and FCVT do; the portable code matches them bit for
+bit).
 """
 
 import numpy as np
@@ -39,8 +41,10 @@ from . import _target
 from ._jit import jit
 
 
-#: whether float16 conversions use the F16C instructions (else the portable code)
-HAVE_F16C = _target.has_f16c()
+#: the instructions float16 conversions use (``_target.half_conversions``), or None
+#: for the portable code
+HALF_INSTRUCTIONS = _target.half_conversions()
+HARDWARE_HALF = HALF_INSTRUCTIONS is not None
 
 
 # -- bit casts ---------------------------------------------------------------
@@ -74,11 +78,12 @@ def bits_from_f32(typingctx, value):
     return types.uint32(types.float32), codegen
 
 
-# -- float16 through F16C ------------------------------------------------------
+# -- float16 through conversion instructions ----------------------------------
 
 @intrinsic
 def f16_to_f32_hw(typingctx, bits):
-    """float16 bits to float32 with LLVM's ``fpext half`` (vcvtph2ps). Needs F16C."""
+    """float16 bits to float32 with LLVM's ``fpext half`` (vcvtph2ps, fcvt). Needs
+    ``HARDWARE_HALF``."""
     if bits != types.uint16:
         return None
 
@@ -90,7 +95,8 @@ def f16_to_f32_hw(typingctx, bits):
 
 @intrinsic
 def f32_to_f16_hw(typingctx, value):
-    """float32 to float16 bits with LLVM's ``fptrunc`` (vcvtps2ph). Needs F16C."""
+    """float32 to float16 bits with LLVM's ``fptrunc`` (vcvtps2ph, fcvt). Needs
+    ``HARDWARE_HALF``."""
     if value != types.float32:
         return None
 
@@ -205,7 +211,7 @@ def narrow(value, like):
 @overload(widen)
 def _widen_impl(stored):
     if stored == types.uint16:
-        if HAVE_F16C:
+        if HARDWARE_HALF:
             return lambda stored: f16_to_f32_hw(stored)
         return lambda stored: f16_to_f32_portable(stored)
     if stored == types.int16:
@@ -227,7 +233,7 @@ def _widen_impl(stored):
 def _narrow_impl(value, like):
     kind = like.dtype
     if kind == types.uint16:
-        if HAVE_F16C:
+        if HARDWARE_HALF:
             return lambda value, like: f32_to_f16_hw(np.float32(value))
         return lambda value, like: f32_to_f16_portable(np.float32(value))
     if kind == types.int16:

@@ -49,11 +49,11 @@ from ._tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 # the helper modules the kernels inline (and _target, whose choices shape them);
 # tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
-    "_halfprec.py": "6c0f8d3668b474b5",
+    "_halfprec.py": "3fa88f180cff49fe",
     "_jit.py": "5e2d2922a8cf1971",
     "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "f7632a1c6d078c24",
-    "_target.py": "64343d6f781c7228",
+    "_simd.py": "d8002995352def0a",
+    "_target.py": "03997255e397a5e2",
     "_tiles.py": "84348cd636a988e0",
 }
 

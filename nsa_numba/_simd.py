@@ -40,8 +40,9 @@ timing are in docs/performance.md). Float16 and float32 rows keep their own orde
 Conversions give exactly what :func:`nsa_numba._halfprec.widen` and ``narrow`` give
 per element: bfloat16 as the top half of float32, rounded to nearest even with NaN
 kept quiet; float16 through LLVM's ``fpext``/``fptrunc``, which are the F16C
-instructions. Rows must be unit-stride in the storage dtypes of :data:`STORAGE`
-(float16 only when the target has F16C: the portable float16 code stays scalar);
+instructions on x86 and FCVT on AArch64. Rows must be unit-stride in the storage
+dtypes of :data:`STORAGE` (float16 only where the target has those instructions:
+the portable float16 code stays scalar);
 :func:`row_fits` says whether an array qualifies. The caller keeps every index
 in range; under ``NSA_NUMBA_BOUNDSCHECK=1`` :func:`check_row` is where a kernel
 checks them.
@@ -56,7 +57,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from . import _target
-from ._halfprec import HAVE_F16C
+from ._halfprec import HARDWARE_HALF
 from ._jit import BOUNDSCHECK, jit
 
 #: float32 lanes in one of the target's vector registers (4, 8 or 16)
@@ -75,7 +76,7 @@ SHORT_WIDTH = 8
 
 #: storage dtypes whose rows vload_row and vstore_row convert (see _halfprec's table)
 STORAGE = (np.dtype(np.int16), np.dtype(np.float32)) + (
-    (np.dtype(np.uint16),) if HAVE_F16C else ())
+    (np.dtype(np.uint16),) if HARDWARE_HALF else ())
 
 _F32 = ir.FloatType()
 

@@ -25,9 +25,17 @@ def is_x86():
     return platform.machine().lower() in _X86
 
 
-def has_f16c():
-    """True for an x86 target with the F16C extension (float16 conversions)."""
-    return is_x86() and "+f16c" in features()
+def is_aarch64():
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def half_conversions():
+    """The instructions LLVM lowers float16 <-> float32 conversions to on this target,
+    or None where it would call a library routine instead: F16C on x86 (an extension
+    the target may lack), FCVT on AArch64 (part of its base floating point)."""
+    if is_x86():
+        return "F16C" if "+f16c" in features() else None
+    return "FCVT" if is_aarch64() else None
 
 
 def vector_bits():

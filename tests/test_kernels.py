@@ -74,7 +74,8 @@ def _simd_matches(kernel, plan, dtype):
                              _run_forward(_kernels.compress_forward_simd, plan, scratch), dtype)
 
 
-#: the dtypes compress_forward_simd takes on this machine (float16 only with F16C)
+#: the dtypes compress_forward_simd takes on this machine (float16 only with hardware half
+#: conversions)
 SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STORAGE]
 
 
