@@ -85,6 +85,101 @@ def compress_infer(input, weight, slot_mapping, block, stride, page_block_size, 
     return out, sorted(set(written))
 
 
+#: the score a masked key gets: the NPU replaces it with -FLT_MAX (float32), never
+#: -inf, so a fully masked row has equal scores and attends to its keys uniformly
+MASKED_SCORE = -float(np.finfo(np.float32).max)
+
+
+def _sequence_bounds(total, ends):
+    """(start, end) of each sequence from prefix sums without a leading 0 (the
+    attention operators' ``actual_seq_qlen`` / ``actual_seq_kvlen``); one sequence
+    of ``total`` rows when None."""
+    if ends is None:
+        return [(0, total)]
+    ends = [int(e) for e in ends]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _selected_rows(t, s, kv_start, j, topk, block, count, causal):
+    """The key rows query token ``t`` (position ``s`` of its sequence) reads for KV
+    head ``j``, in list order (a repeated block twice), and which are masked: with
+    ``causal``, a block after the query's own (``s // block``) is masked whole and in
+    the query's own block the keys after position ``s``."""
+    rows, masked = [], []
+    for idx in (int(i) for i in topk[t, j, :count]):
+        for r in range(block):
+            rows.append(kv_start + idx * block + r)
+            masked.append(causal and idx * block + r > s)
+    return np.array(rows, np.int64), np.array(masked, bool)
+
+
+def _score_rows(q, k, topk, scale, block, count, causal, actual_seq_qlen, actual_seq_kvlen):
+    """For each query token t and head h, in order: ``(t, h, j, rows, masked, scores)``,
+    the KV head, the key rows read (``_selected_rows``), which are masked, and the
+    scaled scores with the masked ones replaced by ``MASKED_SCORE``."""
+    group = q.shape[1] // k.shape[1]
+    kv_bounds = _sequence_bounds(k.shape[0], actual_seq_kvlen)
+    for b, (q0, q1) in enumerate(_sequence_bounds(q.shape[0], actual_seq_qlen)):
+        for t in range(q0, q1):
+            for h in range(q.shape[1]):
+                j = h // group
+                rows, masked = _selected_rows(t, t - q0, kv_bounds[b][0], j, topk, block,
+                                              count, causal)
+                scores = np.where(masked, MASKED_SCORE, scale * (k[rows, j] @ q[t, h]))
+                yield t, h, j, rows, masked, scores
+
+
+def select_attention(query, key, value, topk_indices, scale, head_num, block, count,
+                     causal=False, actual_seq_qlen=None, actual_seq_kvlen=None):
+    """Selected attention (``npu_nsa_select_attention``, layout TND) in float64:
+    ``(out [T1, N1, Dv], softmax_max [T1, N1], softmax_sum [T1, N1])``.
+
+    Query token t of sequence b, head h, reads KV head j = h // G (G = N1 / N2): the
+    ``block`` rows from ``kv_start_b + idx * block`` of ``key`` and ``value`` for each
+    ``idx`` of ``topk_indices[t, j, :count]``, in list order. Scores are ``scale *
+    <q, k>``, a masked one replaced by ``MASKED_SCORE`` (``causal``: the mask the NPU
+    derives from the indices when ``atten_mask`` is given); softmax_max is the row's
+    largest score and softmax_sum ``sum exp(score - max)`` (not a log-sum-exp)."""
+    q = np.asarray(query, np.float64)
+    k = np.asarray(key, np.float64)
+    v = np.asarray(value, np.float64)
+    out = np.zeros(q.shape[:2] + v.shape[2:])
+    row_max = np.zeros(q.shape[:2])
+    row_sum = np.zeros(q.shape[:2])
+    for t, h, j, rows, _, scores in _score_rows(q, k, topk_indices, scale, block, count,
+                                                causal, actual_seq_qlen, actual_seq_kvlen):
+        row_max[t, h] = scores.max()
+        e = np.exp(scores - row_max[t, h])
+        row_sum[t, h] = e.sum()
+        out[t, h] = (e / row_sum[t, h]) @ v[rows, j]
+    return out, row_max, row_sum
+
+
+def select_attention_grad(grad, query, key, value, topk_indices, scale, head_num, block,
+                          count, causal=False, actual_seq_qlen=None, actual_seq_kvlen=None):
+    """The exact gradient of ``select_attention`` as called, in float64: ``(dq, dk,
+    dv)`` for the output gradient ``grad``. A masked score is a constant, so it passes
+    no gradient to q or k; a fully masked row's uniform weights give ``dv += grad /
+    K`` on each of its K keys and nothing else. A key selected twice gets both
+    terms; keys no query selects get 0."""
+    q = np.asarray(query, np.float64)
+    k = np.asarray(key, np.float64)
+    v = np.asarray(value, np.float64)
+    g = np.asarray(grad, np.float64)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for t, h, j, rows, masked, scores in _score_rows(q, k, topk_indices, scale, block, count,
+                                                     causal, actual_seq_qlen,
+                                                     actual_seq_kvlen):
+        e = np.exp(scores - scores.max())
+        p = e / e.sum()
+        dp = v[rows, j] @ g[t, h]
+        ds = np.where(masked, 0.0, p * (dp - p @ dp))
+        dq[t, h] = scale * (ds @ k[rows, j])
+        np.add.at(dk[:, j], rows, scale * ds[:, None] * q[t, h])
+        np.add.at(dv[:, j], rows, p[:, None] * g[t, h])
+    return dq, dk, dv
+
+
 def abs_terms_forward(x, w, block, stride, actual_seq_len=None, actual_seq_len_type=0):
     """sum_j |w x| per output element: scales the float32 accumulation error bound."""
     return compress(np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64)),
