@@ -39,7 +39,7 @@ TORCH_STEP = """
 import torch
 from nsa_numba.torch import npu_nsa_compress
 torch.manual_seed(0)
-for dtype in (torch.bfloat16, torch.float32):
+for dtype in (torch.bfloat16,):           # one dtype shows it; each compiles alike
     for step in range(2):
         qkv = torch.randn(200, 3, 2, 64, dtype=dtype, requires_grad=True)
         q, k = qkv[:, 0], qkv[:, 1]                      # views, as a split makes them
@@ -116,7 +116,7 @@ def test_warmup_covers_a_torch_training_step(cold):
     # warmup as the README says, then a first training step: nothing left to compile
     # (the backward's gradients come from contractions, in their own memory order)
     pytest.importorskip("torch")
-    proc = cold("warmup", "--dtype", "bf16", "--dtype", "fp32", "--strided")
+    proc = cold("warmup", "--dtype", "bf16", "--strided")
     assert proc.stderr == ""
     step = cold(code=TORCH_STEP)
     assert step.stderr == "", step.stderr

@@ -41,18 +41,24 @@ def _specials(a, dtype):
     flat[13::61] = 0
 
 
-def _dims(*views):
-    """The ``dims`` argument of a training kernel given ``[B, S, N, D]`` views."""
-    return np.array([v.shape for v in views], np.int64)
+def _launch(kernel, plan, scratch, partials=None):
+    """``kernel`` run on the arrays a first call gives it (``_dispatch.kernel_arrays``:
+    the variant the API and ``warmup`` compile), its outputs zeroed first; returns the
+    plan's storage views."""
+    views = _dispatch.storage_views(plan)
+    for role, view in zip(_dispatch.ROLES[plan.op], views):
+        if role in _dispatch.OUTPUT_ROLES:
+            view[...] = 0
+    arrays, _ = _dispatch.kernel_arrays(plan, views)
+    dims = np.array([v.shape for v in views if v.ndim == 4], np.int64)
+    extra = (scratch,) if partials is None else (partials, scratch)
+    assert kernel(*arrays, *extra, dims, plan.tiles, plan.stride, plan.D, False)
+    return views
 
 
 def _run_forward(kernel, plan, scratch):
-    """``kernel`` run on the plan's storage views, as a first call does."""
-    x, out = plan.storage("input"), plan.storage("out")
-    out[...] = 0
-    assert kernel(x, plan.storage("weight"), out, scratch, _dims(x, out), plan.tiles,
-                  plan.stride, plan.D, False)
-    return out.copy()
+    """``kernel``'s output for the plan, run as a first call does."""
+    return _launch(kernel, plan, scratch)[2].copy()
 
 
 def _assert_same_bits(a, b, dtype):
@@ -174,14 +180,12 @@ def test_dispatch_picks_by_row_length():
 
 
 def _run_backward(plan, vector):
-    workspace = _dispatch.new_workspace(plan)
-    partials, scratch = _dispatch.carve(plan, workspace)
-    g, x, ig = plan.storage("grad"), plan.storage("input"), plan.storage("input_grad")
-    ig[...] = 0
+    """(input_grad, the float32 per-tile weight-gradient sums, tile 0 holding their
+    total) of the scalar or the vector backward kernel."""
+    partials, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
     kernel = _kernels.compress_backward_simd if vector else _kernels.compress_backward
-    assert kernel(g, x, plan.storage("weight"), ig, plan.storage("weight_grad"), partials,
-                  scratch, _dims(g, x, ig), plan.tiles, plan.stride, plan.D, False)
-    return ig.copy(), partials.copy()   # the float32 per-tile sums (tile 0: their total)
+    views = _launch(kernel, plan, scratch, partials)
+    return views[3].copy(), partials.copy()
 
 
 @pytest.mark.parametrize("N,D,block,stride,seq", [
