@@ -47,7 +47,7 @@ class Recipe:
     order of ``ROLES[op]``: the caller's own (``own``) or storage views."""
     op: str                  # "forward" or "grad"
     storage: np.dtype        # the dtype the kernels see the arrays as (_plan.STORAGE)
-    kernel: object           # forward_kernel's or backward_kernel's choice
+    kernel: object           # forward_kernel's choice, or a backward kernel (backward_vector)
     tiles: np.ndarray
     stride: int
     D: int
