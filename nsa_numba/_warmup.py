@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -112,6 +113,11 @@ def warmup(dtypes=DTYPES, ops=OPS, strided=False, out=sys.stdout, times=False, j
     concurrent writers)."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"warmup: jobs must be an integer >= 1, got {jobs!r}")
+    for name, given, known in (("dtype", dtypes, DTYPES), ("op", ops, OPS)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            raise ValueError(f"warmup: unknown {name} {unknown[0]!r}; the {name}s are "
+                             f"{', '.join(known)}")
     start = time.perf_counter()
     where = cache_dir()
     print(f"nsa_numba warmup: {', '.join(dtypes)}; cache "
@@ -170,28 +176,41 @@ print(json.dumps({"lines": out.getvalue().splitlines(), "records": records}))
 
 def _in_processes(dtypes, ops, strided, jobs):
     """(step lines, compile records) of each dtype's steps run in a process of its own,
-    at most ``jobs`` at a time, in ``dtypes``' order."""
-    env = dict(os.environ, NSA_NUMBA_QUIET="1")
+    at most ``jobs`` at a time, in ``dtypes``' order. The children import this very
+    package (its directory goes first on their path) and write to files, not pipes,
+    so that no amount of output can stall them."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NSA_NUMBA_QUIET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     waiting, running, done = list(dtypes), {}, {}
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
                 name = waiting.pop(0)
-                running[name] = subprocess.Popen(
+                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                proc = subprocess.Popen(
                     [sys.executable, "-c", _CHILD, name, "1" if strided else "0", *ops],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            finished = [name for name, proc in running.items() if proc.poll() is not None]
+                    env=env, stdout=out, stderr=err, text=True)
+                running[name] = (proc, out, err)
+            finished = [name for name, (proc, _, _) in running.items()
+                        if proc.poll() is not None]
             if not finished:
                 time.sleep(0.05)
             for name in finished:
-                stdout, stderr = running.pop(name).communicate()
-                if not stdout.strip():
+                proc, out, err = running.pop(name)
+                with out, err:
+                    out.seek(0)
+                    err.seek(0)
+                    stdout, stderr = out.read(), err.read()
+                if proc.returncode or not stdout.strip():
                     raise RuntimeError(f"warmup of {name} failed in its process:\n{stderr}")
                 done[name] = json.loads(stdout.splitlines()[-1])
     finally:
-        for proc in running.values():
+        for proc, out, err in running.values():
             proc.kill()
             proc.wait()
+            out.close()
+            err.close()
     lines = [line for name in dtypes for line in done[name]["lines"]]
     records = [tuple(r) for name in dtypes for r in done[name]["records"]]
     return lines, records

@@ -165,6 +165,15 @@ def test_warmup_in_processes_compiles_each_dtype_once(cold):
     assert "nothing compiled" in cold(code=WARMUP_IN_PROCESSES).stdout
 
 
+def test_warmup_refuses_unknown_dtypes_ops_and_process_counts():
+    import nsa_numba
+    for kwargs, message in (({"dtypes": ("fp32", "fp8")}, "unknown dtype 'fp8'"),
+                            ({"ops": ("forward", "fwd")}, "unknown op 'fwd'"),
+                            ({"jobs": 0}, "jobs must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            nsa_numba.warmup(**kwargs)
+
+
 def test_warmup_refuses_a_process_count_below_one():
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "warmup", "--jobs", "0"],
                           capture_output=True, text=True, timeout=300)
