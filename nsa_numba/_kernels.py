@@ -186,14 +186,13 @@ def _forward_grouped(x, wt, out, tiles, tile, stride, D, row):
     keeps the windows open at the current token in a ring of ceil(l / d) slots. The
     tokens are walked in segments over which the covering windows do not change,
     GROUP tokens per pass over D: each window sum still adds its terms one token
-    at a time, in order. ``scratch`` holds one row per thread
-    (``forward_scratch_elements``).
+    at a time, in order. This is tile ``tile`` of the table; ``row`` is the calling
+    thread's scratch row (``forward_scratch_elements``).
     """
     N = wt.shape[0]
     block = wt.shape[1]
     ring_size = ring_slots(block, stride)
-    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block,
-                                                      stride)
+    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block, stride)
     ring, xf = _forward_scratch(row, ring_size, N, D)
     while rel < rel_end:
         lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
@@ -256,8 +255,7 @@ def _forward_rows(x, wt, out, tiles, tile, stride, D, row):
     # the bytes of a token row the kernel reads, and how many rows ahead to prefetch
     row_bytes = ((N - 1) * x.shape[3] + D) * x.itemsize if N > 0 else 0
     ahead = max(1, AHEAD_BYTES // max(row_bytes, 1))
-    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block,
-                                                      stride)
+    b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, tile, block, stride)
     ring, xf = _forward_scratch(row, ring_size, N, D)
     while rel < rel_end:
         lo, hi, nxt = _open_segment(ring, rel, rel_end, i0, i1, block, stride)
@@ -546,7 +544,8 @@ def _backward_with(pair_tokens, name):
         one at a time (``_backward_token``).
 
         Gradient rows are decoded into a ring of ceil(l / d) + 1 slots as their windows
-        open. ``scratch`` holds one row per thread (``backward_scratch_elements``).
+        open. This is tile ``tile``; ``mine`` is the calling thread's scratch row
+        (``backward_scratch_elements``).
         The pairs go through ``pair_tokens``: ``_pair_tokens``, or in
         ``compress_backward_simd`` ``_pair_tokens_vector`` (``_dispatch.backward_vector``
         says when it can).
@@ -652,7 +651,8 @@ def reduce_weight_grad(partials, wg):
 # as a prepared call asks, a kernel first checks that the outputs share no byte
 # with the inputs and returns False, writing nothing, when they may (the caller then
 # goes the full path, which says why); a first call has checked that already and
-# passes False. The bodies above are inlined into them.
+# passes False. Each runs its per-tile function above over the tiles (the register
+# forward's body, with its own tile loop, is inlined instead).
 
 def _as_rows(a, dims, i):
     """``a`` as the kernels' ``[B, S, N, D]``: as it is when it has four axes (a
@@ -676,10 +676,16 @@ def _apart(a, b):
             or start_b + b.size * b.itemsize <= start_a)
 
 
+@jit(inline="always")
+def _forward_apart(x, w, out):
+    """Whether the forward's output shares no byte with its inputs."""
+    return _apart(out, x) and _apart(out, w)
+
+
 @jit_parallel
 def compress_forward(x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, GROUP tokens per pass over D (``_forward_grouped``); see above."""
-    if check and not (_apart(out, x) and _apart(out, w)):
+    if check and not _forward_apart(x, w, out):
         return False
     x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
     for unit in prange(tiles.shape[0]):
@@ -691,7 +697,7 @@ def compress_forward(x, w, out, rows, dims, tiles, stride, D, check):
 @jit_parallel
 def compress_forward_rows(x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, one token per pass over D (``_forward_rows``); see above."""
-    if check and not (_apart(out, x) and _apart(out, w)):
+    if check and not _forward_apart(x, w, out):
         return False
     x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
     for unit in prange(tiles.shape[0]):
@@ -702,7 +708,7 @@ def compress_forward_rows(x, w, out, rows, dims, tiles, stride, D, check):
 @jit_parallel
 def compress_forward_simd(x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, window sums in registers (``_forward_simd``); see above."""
-    if check and not (_apart(out, x) and _apart(out, w)):
+    if check and not _forward_apart(x, w, out):
         return False
     _forward_simd(_as_rows(x, dims, 0), w, _as_rows(out, dims, 1), tiles, stride, D, rows)
     return True
