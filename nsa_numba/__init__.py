@@ -1,9 +1,11 @@
-"""nsa_numba: Native Sparse Attention compress operators on the CPU, with Numba.
+"""nsa_numba: Native Sparse Attention operators on the CPU, with Numba.
 
 The same computation as Huawei CANN's ``aclnnNsaCompress``,
-``aclnnNsaCompressGrad`` and ``aclnnNsaCompressWithCache`` (torch_npu
-``npu_nsa_compress`` / ``npu_nsa_compress_grad`` / ``npu_nsa_compress_infer``) for
-packed variable-length sequences in layout TND and paged KV caches.
+``aclnnNsaCompressGrad``, ``aclnnNsaCompressWithCache`` and
+``aclnnNsaSelectedAttention`` / ``...Grad`` (torch_npu ``npu_nsa_compress`` /
+``npu_nsa_compress_grad`` / ``npu_nsa_compress_infer`` /
+``npu_nsa_select_attention`` / ``_grad``) for packed variable-length sequences in
+layout TND and paged KV caches.
 """
 
 from . import _threading
@@ -15,7 +17,8 @@ from ._errors import NsaError  # noqa: E402
 from ._firstrun import compile_messages  # noqa: E402
 from ._pool import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
-from .api import nsa_compress, nsa_compress_grad, nsa_compress_infer  # noqa: E402
+from .api import (nsa_compress, nsa_compress_grad, nsa_compress_infer,  # noqa: E402
+                  nsa_select_attention, nsa_select_attention_grad)
 from ._warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
@@ -23,4 +26,5 @@ __version__ = "0.1.0"
 _firstrun.install()
 
 __all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress", "nsa_compress_grad",
-           "nsa_compress_infer", "release_outputs", "threads", "warmup", "__version__"]
+           "nsa_compress_infer", "nsa_select_attention", "nsa_select_attention_grad",
+           "release_outputs", "threads", "warmup", "__version__"]

@@ -11,6 +11,7 @@ from . import _dispatch
 from ._infer import plan_infer
 from ._pipeline import Operator, register
 from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
+from ._select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
 #: actual_seq_len, actual_seq_len_type, layout, out) -> out
@@ -34,3 +35,21 @@ COMPRESS_GRAD = register(Operator(
 COMPRESS_INFER = register(Operator(
     name="infer", planner=plan_infer, launch=_dispatch.run_infer,
     results=lambda plan: plan.arrays["cache"]))
+
+#: nsa_select_attention (aclnnNsaSelectedAttention): args (query, key, value,
+#: topk_indices, scale_value, head_num, select_block_size, select_block_count,
+#: atten_mask, actual_seq_qlen, actual_seq_kvlen, attention_out, softmax_max,
+#: softmax_sum) -> (attention_out, softmax_max, softmax_sum). No prepared calls: the
+#: checks read the indices' contents, which a signature cannot hold.
+SELECT = register(Operator(
+    name="select", planner=plan_select, launch=run_select,
+    results=lambda plan: (plan.arrays["attention_out"], plan.arrays["softmax_max"],
+                          plan.arrays["softmax_sum"])))
+
+#: nsa_select_attention_grad (aclnnNsaSelectedAttentionGrad): args (grad, query, key,
+#: value, attention_out, softmax_max, softmax_sum, topk_indices, scale_value, head_num,
+#: select_block_size, select_block_count, atten_mask, actual_seq_qlen,
+#: actual_seq_kvlen, dq, dk, dv) -> (dq, dk, dv)
+SELECT_GRAD = register(Operator(
+    name="select_grad", planner=plan_select_grad, launch=run_select,
+    results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))

@@ -3,8 +3,9 @@
 
 from . import _pipeline
 from ._infer import infer_rules
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
 from ._plan import Rules
+from ._select import select_rules
 
 _FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
 #: one Rules object per operator and strictness: the pipeline knows calls that come
@@ -144,3 +145,88 @@ def nsa_compress_infer(input, weight, slot_mapping, compress_block_size, compres
     return _pipeline.call(COMPRESS_INFER, rules or infer_rules(_INFER, strict=strict),
                           (input, weight, slot_mapping, compress_block_size, compress_stride,
                            page_block_size, block_table, actual_seq_len, 1, layout, cache))
+
+
+_SELECT, _SELECT_GRAD = "nsa_select_attention", "nsa_select_attention_grad"
+_SELECT_RULES = {(op, strict): select_rules(op, strict=strict)
+                 for op in (_SELECT, _SELECT_GRAD) for strict in (False, True)}
+
+
+def nsa_select_attention(query, key, value, topk_indices, scale_value, head_num,
+                         select_block_size, select_block_count, *, atten_mask=None,
+                         actual_seq_qlen=None, actual_seq_kvlen=None, attention_out=None,
+                         softmax_max=None, softmax_sum=None, strict=True):
+    """Selected attention (``aclnnNsaSelectedAttention``), layout TND.
+
+    Query token ``t`` of sequence ``b``, head ``h`` attends over the blocks of
+    ``select_block_size`` keys (``l'``) that ``topk_indices[t, h // G]`` lists (``G =
+    N1 / N2``), each counted from the sequence's first key, in list order::
+
+        out[t, h] = softmax(scale_value * q[t, h] . K_sel^T) V_sel
+
+    Parameters
+    ----------
+    query, key, value : ndarray ``[T1, N1, D]``, ``[T2, N2, D]``, ``[T2, N2, Dv]``
+        one dtype: float16, bfloat16, float32 or float64; any strides.
+    topk_indices : integer ndarray ``[T1, N2, select_block_count]``
+        block indices, each within its token's key sequence (whole blocks only).
+    scale_value : float; head_num : int (N1)
+    select_block_size, select_block_count : int (``l'``, ``c``)
+    atten_mask : None or any array
+        given: causal, with the mask derived from the indices (a block after the
+        query's own is masked, and in its own block the keys after it); its contents
+        are never read. None: nothing masked.
+    actual_seq_qlen, actual_seq_kvlen : None, or prefix sums without a leading 0
+        (``[128, 272]``: sequences of 128 and 144 tokens), one value per sequence,
+        ending at T1 and T2. None (both): one sequence.
+    attention_out, softmax_max, softmax_sum : ndarray, optional
+        written in place and returned (shapes below); must not share memory with the
+        inputs or each other.
+    strict : bool
+        True: the NPU's limits (D 192, Dv 128, ``l'`` a multiple of 16 up to 128,
+        ``c <= 32``, ``N1 <= 128``, ``G <= 32``, key sequences multiples of ``l'`` and
+        at least ``c * l'`` long...). False: only what the maths needs.
+
+    Returns
+    -------
+    (attention_out ``[T1, N1, Dv]`` in the input dtype, softmax_max and softmax_sum
+    ``[T1, N1, 8]`` float32, float64 for float64 inputs): the row maximum of the
+    scaled, masked scores and ``sum exp(score - max)``, in all 8 lanes.
+
+    Raises
+    ------
+    NsaError
+        status 161001 for a required array that is None, 561002 for the NPU's tiling
+        limits (strict), 161002 for anything else, including an index outside its
+        sequence's blocks. Nothing is written then.
+    """
+    rules = _SELECT_RULES.get((_SELECT, strict)) if type(strict) is bool else None
+    return _pipeline.call(SELECT, rules or select_rules(_SELECT, strict=strict),
+                          (query, key, value, topk_indices, scale_value, head_num,
+                           select_block_size, select_block_count, atten_mask,
+                           actual_seq_qlen, actual_seq_kvlen, attention_out, softmax_max,
+                           softmax_sum))
+
+
+def nsa_select_attention_grad(grad, query, key, value, attention_out, softmax_max,
+                              softmax_sum, topk_indices, scale_value, head_num,
+                              select_block_size, select_block_count, *, atten_mask=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, dq=None, dk=None,
+                              dv=None, strict=True):
+    """Gradients of :func:`nsa_select_attention` (``aclnnNsaSelectedAttentionGrad``):
+    ``(dq, dk, dv)`` for the output gradient ``grad`` ``[T1, N1, Dv]``.
+
+    ``attention_out``, ``softmax_max`` and ``softmax_sum`` are the forward's results
+    for the same arguments. The gradient is the exact gradient of the forward as
+    called (masked only when ``atten_mask`` is given, as the forward is): masked
+    scores pass nothing to q and k; keys no query selects get 0; a key selected
+    several times gets every term. Bitwise identical for any thread count. Strict
+    mode allows D 128 or 192 (Dv 128). ``dq``, ``dk``, ``dv`` may be given to be
+    written in place.
+    """
+    rules = _SELECT_RULES.get((_SELECT_GRAD, strict)) if type(strict) is bool else None
+    return _pipeline.call(SELECT_GRAD, rules or select_rules(_SELECT_GRAD, strict=strict),
+                          (grad, query, key, value, attention_out, softmax_max, softmax_sum,
+                           topk_indices, scale_value, head_num, select_block_size,
+                           select_block_count, atten_mask, actual_seq_qlen,
+                           actual_seq_kvlen, dq, dk, dv))

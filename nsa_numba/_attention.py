@@ -1,0 +1,635 @@
+"""The selected-attention kernels: forward, and the backward in two passes.
+
+Planned by ``_select``, which also documents the operator. Here the arithmetic:
+
+* **staging** (:func:`select_stage`): each block of ``l'`` keys of each KV head, in
+  the accumulator dtype, in the layouts the products read: keys transposed
+  (``[D, Lp]``, ``Lp`` = ``l'`` rounded up to 16, zero padded), for the scores; values
+  as rows (``[l', Dv]``), for the forward's weighted sum; and for the backward the
+  keys as rows and the values transposed. A block is staged once per call however many
+  queries select it.
+* **forward** (:func:`select_forward`), one unit per query token and KV head: the
+  scores of the group's G heads over every selected block (``_mm``, 4 heads by 64
+  keys at a time), scaled and masked, the softmax statistics, then the values'
+  weighted sum divided by the row sum, rounded once into the output.
+* **backward, dq** (:func:`select_grad_dq`), one unit per query token and KV head:
+  scores and ``dP = dO V^T`` again, ``dS = P (dP - delta)`` with the saved statistics,
+  ``dq = scale dS K``.
+* **backward, dk and dv** (:func:`select_grad_dkdv`), one unit per key block and KV
+  head, the *owner* of its rows: it visits the (token, slot) pairs that selected it in
+  token order (``select_owners``' inverted index) and adds their terms into its own
+  float32 sums, then rounds them once. No two units write the same row, so no atomics
+  and no order that depends on the threads: the result is the same bits for any
+  thread count.
+
+All products go through :func:`_mm`, one register tile whose per-element sum runs
+over its depth in order with fused multiply-adds (``_lanes``); float64 problems take
+its scalar form (the same order). Scratch comes from the workspace, one slot per
+thread, indexed by Numba's thread id; nothing in a slot reaches a result except
+through those fixed-order sums.
+"""
+
+import numpy as np
+from numba import get_thread_id, prange, types
+from numba.extending import overload
+
+from ._halfprec import narrow, widen
+from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
+from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
+from ._lanes import ldiv, lstore, lsub, lsum, lzeros
+
+# The compile cache is keyed on this file's text only. These digests tie it to the
+# helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
+CACHE_DEPENDS = {
+    "_halfprec.py": "3fa88f180cff49fe",
+    "_jit.py": "5e2d2922a8cf1971",
+    "_lanes.py": "66e99db5315e6063",
+}
+
+#: the score a masked key gets (float32's lowest finite value, as the NPU writes)
+MASKED = np.float32(-3.4028234663852886e38)
+#: key lanes per staged row are padded to a multiple of this
+KEY_ALIGN = 16
+
+
+# -- the register tile ---------------------------------------------------------------
+
+def _mm(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
+    """For the four rows ``m`` and the lanes ``e0 <= e < e1``::
+
+        out[ob + m*so + e] (+)= sum over k < nk of w[wb + m*sm + k*sk] * b[rows[k] + e]
+
+    summed in k order, each step one fused multiply-add (``add``: starting from what
+    ``out`` holds, else from 0)."""
+    raise NotImplementedError      # compiled code only (the overload below)
+
+
+@jit
+def _mm64(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
+    o0 = ob + e
+    o1 = o0 + so
+    o2 = o1 + so
+    o3 = o2 + so
+    check_lanes(out, o0, 64)
+    check_lanes(out, o3, 64)
+    if add:
+        a00, a01, a02, a03 = lload(out, o0), lload(out, o0 + 16), lload(out, o0 + 32), \
+            lload(out, o0 + 48)
+        a10, a11, a12, a13 = lload(out, o1), lload(out, o1 + 16), lload(out, o1 + 32), \
+            lload(out, o1 + 48)
+        a20, a21, a22, a23 = lload(out, o2), lload(out, o2 + 16), lload(out, o2 + 32), \
+            lload(out, o2 + 48)
+        a30, a31, a32, a33 = lload(out, o3), lload(out, o3 + 16), lload(out, o3 + 32), \
+            lload(out, o3 + 48)
+    else:
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lzeros()
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = lzeros()
+    for k in range(nk):
+        p = rows[k] + e
+        check_lanes(b, p, 64)
+        b0, b1, b2, b3 = lload(b, p), lload(b, p + 16), lload(b, p + 32), lload(b, p + 48)
+        i = wb + k * sk
+        w0, w1, w2, w3 = w[i], w[i + sm], w[i + 2 * sm], w[i + 3 * sm]
+        a00, a01, a02, a03 = lfma(a00, w0, b0), lfma(a01, w0, b1), lfma(a02, w0, b2), \
+            lfma(a03, w0, b3)
+        a10, a11, a12, a13 = lfma(a10, w1, b0), lfma(a11, w1, b1), lfma(a12, w1, b2), \
+            lfma(a13, w1, b3)
+        a20, a21, a22, a23 = lfma(a20, w2, b0), lfma(a21, w2, b1), lfma(a22, w2, b2), \
+            lfma(a23, w2, b3)
+        a30, a31, a32, a33 = lfma(a30, w3, b0), lfma(a31, w3, b1), lfma(a32, w3, b2), \
+            lfma(a33, w3, b3)
+    lstore(out, o0, a00), lstore(out, o0 + 16, a01), lstore(out, o0 + 32, a02)
+    lstore(out, o0 + 48, a03)
+    lstore(out, o1, a10), lstore(out, o1 + 16, a11), lstore(out, o1 + 32, a12)
+    lstore(out, o1 + 48, a13)
+    lstore(out, o2, a20), lstore(out, o2 + 16, a21), lstore(out, o2 + 32, a22)
+    lstore(out, o2 + 48, a23)
+    lstore(out, o3, a30), lstore(out, o3 + 16, a31), lstore(out, o3 + 32, a32)
+    lstore(out, o3 + 48, a33)
+
+
+@jit
+def _mm16(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
+    o0 = ob + e
+    o1 = o0 + so
+    o2 = o1 + so
+    o3 = o2 + so
+    check_lanes(out, o0)
+    check_lanes(out, o3)
+    if add:
+        a0, a1, a2, a3 = lload(out, o0), lload(out, o1), lload(out, o2), lload(out, o3)
+    else:
+        a0 = a1 = a2 = a3 = lzeros()
+    for k in range(nk):
+        p = rows[k] + e
+        check_lanes(b, p)
+        v = lload(b, p)
+        i = wb + k * sk
+        a0, a1 = lfma(a0, w[i], v), lfma(a1, w[i + sm], v)
+        a2, a3 = lfma(a2, w[i + 2 * sm], v), lfma(a3, w[i + 3 * sm], v)
+    lstore(out, o0, a0), lstore(out, o1, a1), lstore(out, o2, a2), lstore(out, o3, a3)
+
+
+@jit
+def _mm_scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
+    for m in range(4):
+        for e in range(e0, e1):
+            o = ob + m * so + e
+            acc = out[o] if add else out.dtype.type(0)
+            for k in range(nk):
+                acc = fma(w[wb + m * sm + k * sk], b[rows[k] + e], acc)
+            out[o] = acc
+
+
+@overload(_mm, jit_options=OVERLOAD_OPTIONS)
+def _mm_typed(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
+    if b.dtype == types.float64:
+        def scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
+            _mm_scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add)
+        return scalar
+
+    def lanes(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
+        e = e0
+        while e + 64 <= e1:
+            _mm64(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add)
+            e += 64
+        while e + 16 <= e1:
+            _mm16(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add)
+            e += 16
+        if e < e1:
+            _mm_scalar(w, wb, sm, sk, nk, rows, b, e, e1, out, ob, so, add)
+    return lanes
+
+
+# -- softmax pieces ------------------------------------------------------------------
+
+def _exp(x):
+    """exp in the accumulator dtype: ``_lanes.exp32`` for float32, the C library's for
+    float64."""
+    return np.exp(x)
+
+
+@overload(_exp, jit_options=OVERLOAD_OPTIONS)
+def _exp_typed(x):
+    if x == types.float32:
+        return lambda x: exp32(x)
+    return lambda x: np.exp(x)
+
+
+def _row_softmax(s, o, n):
+    """Row ``s[o:o + n]`` of scores to ``exp(score - max)`` in place; returns ``(max,
+    sum)``, the sum over 16 lanes (element ``i`` in lane ``i % 16``) folded in lane
+    order, then the tail of ``n % 16`` in order."""
+    raise NotImplementedError
+
+
+@overload(_row_softmax, jit_options=OVERLOAD_OPTIONS)
+def _row_softmax_typed(s, o, n):
+    if s.dtype == types.float64:
+        def scalar(s, o, n):
+            top = s[o]
+            for i in range(1, n):
+                if s[o + i] > top:
+                    top = s[o + i]
+            total = 0.0
+            for i in range(n):
+                s[o + i] = np.exp(s[o + i] - top)
+                total += s[o + i]
+            return top, total
+        return scalar
+
+    def lanes(s, o, n):
+        full = n - n % 16
+        top = MASKED
+        if full:
+            best = lload(s, o)
+            for i in range(16, full, 16):
+                best = lmax(lload(s, o + i), best)
+            top = lmax_of(best)
+        for i in range(full, n):
+            if s[o + i] > top:
+                top = s[o + i]
+        total = lzeros()
+        for i in range(0, full, 16):
+            x = lexp(lsub(lload(s, o + i), top))
+            lstore(s, o + i, x)
+            total = ladd(total, x)
+        tail = lsum(total)
+        for i in range(full, n):
+            x = exp32(s[o + i] - top)
+            s[o + i] = x
+            tail += x
+        return top, tail
+    return lanes
+
+
+def _scale_mask(s, o, n, scale, keep):
+    """``s[o:o + n] *= scale``, then the elements from ``keep`` on set to MASKED."""
+    raise NotImplementedError
+
+
+@overload(_scale_mask, jit_options=OVERLOAD_OPTIONS)
+def _scale_mask_typed(s, o, n, scale, keep):
+    if s.dtype == types.float64:
+        def scalar(s, o, n, scale, keep):
+            for i in range(n):
+                s[o + i] = s[o + i] * scale if i < keep else MASKED
+        return scalar
+
+    def lanes(s, o, n, scale, keep):
+        full = n - n % 16
+        for i in range(0, full, 16):
+            lstore(s, o + i, lmul(lload(s, o + i), scale))
+        for i in range(full, n):
+            s[o + i] = s[o + i] * scale
+        for i in range(keep, n):
+            s[o + i] = MASKED
+    return lanes
+
+
+def _ds_row(s, dp, o, n, top, total, delta, scale, keep):
+    """From scaled, masked scores ``s[o:o + n]`` and ``dp`` (same offsets): ``s`` becomes
+    ``P = exp(s - top) / total`` and ``dp`` becomes ``scale * P * (dp - delta)``, 0 from
+    ``keep`` on (masked keys pass no gradient)."""
+    raise NotImplementedError
+
+
+@overload(_ds_row, jit_options=OVERLOAD_OPTIONS)
+def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
+    if s.dtype == types.float64:
+        def scalar(s, dp, o, n, top, total, delta, scale, keep):
+            for i in range(n):
+                p = np.exp(s[o + i] - top) / total
+                s[o + i] = p
+                dp[o + i] = scale * (p * (dp[o + i] - delta)) if i < keep else 0.0
+        return scalar
+
+    def lanes(s, dp, o, n, top, total, delta, scale, keep):
+        full = n - n % 16
+        for i in range(0, full, 16):
+            p = ldiv(lexp(lsub(lload(s, o + i), top)), total)
+            lstore(s, o + i, p)
+            lstore(dp, o + i, lmul(lmul(p, lsub(lload(dp, o + i), delta)), scale))
+        for i in range(full, n):
+            p = exp32(s[o + i] - top) / total
+            s[o + i] = p
+            dp[o + i] = scale * (p * (dp[o + i] - delta))
+        for i in range(keep, n):
+            dp[o + i] = 0
+    return lanes
+
+
+# -- staging --------------------------------------------------------------------------
+
+@jit
+def _stage_block(k, v, row0, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
+    D = k.shape[2]
+    Dv = v.shape[2]
+    for r in range(l):
+        for d in range(D):
+            x = widen(k[row0 + r, j, d])
+            if kt.size:
+                kt[base_k * lp + d * lp + r] = x
+            if krow.size:
+                krow[base_k * l + r * D + d] = x
+        for e in range(Dv):
+            x = widen(v[row0 + r, j, e])
+            if vrow.size:
+                vrow[base_v * l + r * Dv + e] = x
+            if vt.size:
+                vt[base_v * lp + e * lp + r] = x
+    for r in range(l, lp):
+        if kt.size:
+            for d in range(D):
+                kt[base_k * lp + d * lp + r] = 0
+        if vt.size:
+            for e in range(Dv):
+                vt[base_v * lp + e * lp + r] = 0
+
+
+@jit_parallel
+def select_stage(k, v, block_row, l, lp, kt, krow, vrow, vt):
+    """Stage every block (``block_row[gb]``: its first key row) of every KV head into
+    the arrays that are not empty: ``kt`` ``[GB, N2, D, lp]``, ``krow`` ``[GB, N2, l,
+    D]``, ``vrow`` ``[GB, N2, l, Dv]``, ``vt`` ``[GB, N2, Dv, lp]``, all flat."""
+    N2, D, Dv = k.shape[1], k.shape[2], v.shape[2]
+    for unit in prange(block_row.size * N2):
+        u = np.int64(unit)
+        gb, j = u // N2, u % N2
+        _stage_block(k, v, block_row[gb], j, l, lp, kt, krow, vrow, vt, u * D, u * Dv)
+
+
+# -- shared per-unit pieces -----------------------------------------------------------
+
+@jit
+def _sequence(starts, t):
+    """(batch, position) of token ``t`` given batch starts ``starts`` [B + 1]."""
+    b = np.searchsorted(starts, t, side="right") - 1
+    return b, t - starts[b]
+
+
+@jit
+def _visible(topk, t, j, count, diag, causal, vis):
+    """The slots a unit computes, in slot order, into ``vis``: every slot, or with
+    ``causal`` those whose block is not after the query's own. Returns (how many,
+    whether the whole row is masked: then every slot, for the uniform weights)."""
+    n = 0
+    for i in range(count):
+        if not causal or topk[t, j, i] <= diag:
+            vis[n] = i
+            n += 1
+    if n == 0:
+        for i in range(count):
+            vis[i] = i
+        return count, True
+    return n, False
+
+
+@jit
+def _widen_heads(x, t, h0, G, G4, width, dst):
+    """``x[t, h0:h0 + G, :]`` widened into ``dst[:G4 * width]`` (rows past G zero)."""
+    for g in range(G):
+        for e in range(width):
+            dst[g * width + e] = widen(x[t, h0 + g, e])
+    for i in range(G * width, G4 * width):
+        dst[i] = 0
+
+
+@jit
+def _block_scores(a, depth, staged, base, lp, rows, s, ob, lds, G4):
+    """``s[g * lds + ob + r] = sum_d a[g * depth + d] * staged[base + d * lp + r]`` for
+    ``r < lp`` (a transposed staged block), four rows at a time."""
+    for d in range(depth):
+        rows[d] = base + d * lp
+    for g in range(0, G4, 4):
+        _mm(a, g * depth, depth, 1, depth, rows, staged, 0, lp, s, ob + g * lds, lds, False)
+
+
+# -- forward ---------------------------------------------------------------------------
+
+@jit
+def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, f, rows,
+                  vis, G, l, lp, count, scale, causal):
+    D, Dv = q.shape[2], out.shape[2]
+    N2 = topk.shape[1]
+    G4 = (G + 3) & ~3
+    lds = count * l + lp
+    qs = f[:G4 * D]
+    s = f[G4 * D:G4 * (D + lds)]
+    o = f[G4 * (D + lds):G4 * (D + lds + Dv)]
+    b, pos = _sequence(q_starts, t)
+    diag = pos // l
+    nvis, full = _visible(topk, t, j, count, diag, causal, vis)
+    _widen_heads(q, t, j * G, G, G4, D, qs)
+    for v in range(nvis):
+        idx = topk[t, j, vis[v]]
+        gb = blk_starts[b] + idx
+        if full:
+            for g in range(G4):
+                for r in range(l):
+                    s[g * lds + v * l + r] = MASKED
+            continue
+        _block_scores(qs, D, kt, (gb * N2 + j) * D * lp, lp, rows, s, v * l, lds, G4)
+        keep = pos % l + 1 if causal and idx == diag else l
+        for g in range(G):
+            _scale_mask(s, g * lds + v * l, l, scale, keep)
+    n = nvis * l
+    for g in range(G):
+        top, total = _row_softmax(s, g * lds, n)
+        h = j * G + g
+        for i in range(smax.shape[2]):
+            smax[t, h, i] = top
+            ssum[t, h, i] = total
+    for v in range(nvis):
+        gb = blk_starts[b] + topk[t, j, vis[v]]
+        for r in range(l):
+            rows[v * l + r] = ((gb * N2 + j) * l + r) * Dv
+    for g in range(0, G4, 4):
+        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    for g in range(G):
+        total = ssum[t, j * G + g, 0]
+        for e in range(Dv):
+            out[t, j * G + g, e] = narrow(o[g * Dv + e] / total, out)
+
+
+@jit_parallel
+def select_forward(q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, scratch, index,
+                   G, l, lp, scale, causal):
+    """Selected attention: ``out``, ``smax``, ``ssum`` for every query token and head
+    (``scratch`` / ``index``: one float / int64 row per thread)."""
+    T1, N2, count = topk.shape
+    for unit in prange(T1 * N2):
+        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+        slot = get_thread_id()
+        rows = index[slot]
+        _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum,
+                      scratch[slot], rows[count:], rows[:count], G, l, lp, count, scale,
+                      causal)
+
+
+# -- backward: dq ----------------------------------------------------------------------
+
+@jit
+def _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats):
+    """The unit's query rows and output-gradient rows widened (``qs``, ``dos``), and
+    per head ``stats[g]`` = (max, sum, delta = sum_e dO * O in order, fused)."""
+    D, Dv = q.shape[2], grad.shape[2]
+    _widen_heads(q, t, j * G, G, G4, D, qs)
+    _widen_heads(grad, t, j * G, G, G4, Dv, dos)
+    for g in range(G):
+        h = j * G + g
+        delta = stats.dtype.type(0)
+        for e in range(Dv):
+            delta = fma(dos[g * Dv + e], widen(out_fwd[t, h, e]), delta)
+        stats[3 * g] = smax[t, h, 0]
+        stats[3 * g + 1] = ssum[t, h, 0]
+        stats[3 * g + 2] = delta
+
+
+@jit
+def _grad_scratch(f, G4, D, Dv, lds):
+    """A backward unit's scratch row cut into (query rows, output-gradient rows,
+    scores, dP, statistics, the rest)."""
+    at = G4 * (D + Dv)
+    s = f[at:at + G4 * lds]
+    dp = f[at + G4 * lds:at + 2 * G4 * lds]
+    at += 2 * G4 * lds
+    return (f[:G4 * D], f[G4 * D:G4 * (D + Dv)], s, dp, f[at:at + 3 * G4],
+            f[at + 3 * G4:])
+
+
+@jit
+def _block_ds(qs, dos, kt, vt, base_k, base_v, D, Dv, lp, rows, s, dp, ob, lds, G, G4,
+              stats, scale, keep, l):
+    """Scores and dP of one block for the unit's heads into ``s`` / ``dp`` at ``ob``;
+    then ``s`` holds P and ``dp`` holds ``scale * dS`` (``_ds_row``)."""
+    _block_scores(qs, D, kt, base_k, lp, rows, s, ob, lds, G4)
+    _block_scores(dos, Dv, vt, base_v, lp, rows, dp, ob, lds, G4)
+    for g in range(G):
+        _scale_mask(s, g * lds + ob, l, scale, keep)
+        _ds_row(s, dp, g * lds + ob, l, stats[3 * g], stats[3 * g + 1], stats[3 * g + 2],
+                scale, keep)
+
+
+@jit
+def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
+             krow, vt, dq, f, rows, vis, G, l, lp, count, scale, causal):
+    D, Dv = q.shape[2], grad.shape[2]
+    N2 = topk.shape[1]
+    G4 = (G + 3) & ~3
+    lds = count * l + lp
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
+    acc = rest[:G4 * D]
+    b, pos = _sequence(q_starts, t)
+    diag = pos // l
+    nvis, full = _visible(topk, t, j, count, diag, causal, vis)
+    if full:                    # uniform weights over masked keys: no gradient to q
+        for g in range(G):
+            for d in range(D):
+                dq[t, j * G + g, d] = narrow(0.0, dq)
+        return
+    _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
+    for v in range(nvis):
+        idx = topk[t, j, vis[v]]
+        u = (blk_starts[b] + idx) * N2 + j
+        keep = pos % l + 1 if causal and idx == diag else l
+        _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, rows, s, dp, v * l,
+                  lds, G, G4, stats, scale, keep, l)
+    for g in range(G, G4):
+        for i in range(nvis * l):
+            dp[g * lds + i] = 0
+    n = nvis * l
+    for v in range(nvis):
+        u = (blk_starts[b] + topk[t, j, vis[v]]) * N2 + j
+        for r in range(l):
+            rows[v * l + r] = (u * l + r) * D
+    for g in range(0, G4, 4):
+        _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
+    for g in range(G):
+        for d in range(D):
+            dq[t, j * G + g, d] = narrow(acc[g * D + d], dq)
+
+
+@jit_parallel
+def select_grad_dq(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt, krow, vt,
+                   dq, scratch, index, G, l, lp, scale, causal):
+    """The query gradient of selected attention, one unit per token and KV head."""
+    T1, N2, count = topk.shape
+    for unit in prange(T1 * N2):
+        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+        slot = get_thread_id()
+        rows = index[slot]
+        _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
+                 krow, vt, dq, scratch[slot], rows[count:], rows[:count], G, l, lp, count,
+                 scale, causal)
+
+
+# -- backward: dk, dv (owner computes) --------------------------------------------------
+
+@jit
+def select_owners(topk, q_starts, blk_starts, blocks, offsets, entries, order):
+    """The inverted index: for owner ``u = gb * N2 + j``, ``entries[offsets[u]:
+    offsets[u + 1]]`` are the ``t * count + i`` whose slot ``i`` of token ``t`` selects
+    block ``gb`` for KV head ``j``, in increasing order; ``order`` lists the owners by
+    decreasing number of entries (ties by index), the order the threads take them in."""
+    T1, N2, count = topk.shape
+    offsets[:] = 0
+    b = 0
+    for t in range(T1):
+        while q_starts[b + 1] <= t:
+            b += 1
+        for j in range(N2):
+            for i in range(count):
+                offsets[(blk_starts[b] + topk[t, j, i]) * N2 + j + 1] += 1
+    for u in range(blocks * N2):
+        offsets[u + 1] += offsets[u]
+    fill = offsets[:-1].copy()
+    b = 0
+    for t in range(T1):
+        while q_starts[b + 1] <= t:
+            b += 1
+        for j in range(N2):
+            for i in range(count):
+                u = (blk_starts[b] + topk[t, j, i]) * N2 + j
+                entries[fill[u]] = t * count + i
+                fill[u] += 1
+    sizes = offsets[1:] - offsets[:-1]
+    order[:] = np.argsort(-sizes, kind="mergesort")
+
+
+@jit
+def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
+                offsets, entries, kt, vt, dk, dv, f, rows, G, l, lp, scale, causal):
+    N2, count = topk.shape[1], topk.shape[2]
+    D, Dv = q.shape[2], grad.shape[2]
+    gb, j = u // N2, u % N2
+    G4 = (G + 3) & ~3
+    l4 = (l + 3) & ~3
+    lds = lp + KEY_ALIGN
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
+    dkb = rest[:l4 * D]
+    dvb = rest[l4 * D:l4 * (D + Dv)]
+    dkb[:] = 0
+    dvb[:] = 0
+    for e in range(offsets[u], offsets[u + 1]):
+        t, i = divmod(entries[e], count)
+        b, pos = _sequence(q_starts, t)
+        diag = pos // l
+        idx = topk[t, j, i]
+        if causal and idx > diag:
+            # masked whole: P = exp(MASKED - max) / sum, zero unless the whole row is
+            # masked (then 1 / K, and dv gets dO / K); dS = 0
+            weight = False
+            for g in range(G):
+                h = j * G + g
+                p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
+                for r in range(l):
+                    s[g * lds + r] = p
+                weight = weight or p != 0
+            if not weight:
+                continue
+            _widen_heads(grad, t, j * G, G, G4, Dv, dos)
+            for g in range(G):
+                rows[g] = g * Dv
+            for r0 in range(0, l4, 4):
+                _mm(s, r0, 1, lds, G, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
+            continue
+        _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
+        keep = pos % l + 1 if causal and idx == diag else l
+        _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, rows, s, dp, 0, lds,
+                  G, G4, stats, scale, keep, l)
+        for g in range(G):
+            rows[g] = g * Dv
+        for r0 in range(0, l4, 4):
+            _mm(s, r0, 1, lds, G, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
+        for g in range(G):
+            rows[g] = g * D
+        for r0 in range(0, l4, 4):
+            _mm(dp, r0, 1, lds, G, rows, qs, 0, D, dkb, r0 * D, D, True)
+    row0 = block_row[gb]
+    for r in range(l):
+        for d in range(D):
+            dk[row0 + r, j, d] = narrow(dkb[r * D + d], dk)
+        for e in range(Dv):
+            dv[row0 + r, j, e] = narrow(dvb[r * Dv + e], dv)
+
+
+@jit_parallel
+def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
+                     tails, offsets, entries, order, kt, vt, dk, dv, scratch, index, G, l, lp,
+                     scale, causal):
+    """The key and value gradients, one unit per key block and KV head (in ``order``);
+    the rows ``tails`` lists (``[start, end)`` pairs: keys in no whole block) get 0."""
+    N2 = topk.shape[1]
+    for p in range(tails.shape[0]):
+        for r in range(tails[p, 0], tails[p, 1]):
+            for j in range(N2):
+                for d in range(dk.shape[2]):
+                    dk[r, j, d] = narrow(0.0, dk)
+                for e in range(dv.shape[2]):
+                    dv[r, j, e] = narrow(0.0, dv)
+    for unit in prange(order.size):
+        slot = get_thread_id()
+        _owner_unit(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
+                    block_row, offsets, entries, kt, vt, dk, dv, scratch[slot], index[slot],
+                    G, l, lp, scale, causal)
