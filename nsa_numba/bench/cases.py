@@ -121,3 +121,70 @@ def infer_problem(B, writers, N, dtype, D=128, block=32, stride=16, page=128, se
     cache = np.zeros((rows, N, D), dtype)
     slots = rng.permutation(rows)[:B].astype(np.int32)
     return x, w, slots, table, lengths, cache
+
+
+# -- selected attention ------------------------------------------------------------------
+
+#: ``--select`` cases: name -> (sequence lengths, N1, N2, D, Dv, l', c); causal
+SELECT_CASES = {
+    "paper layer": ((2048, 2048), 64, 4, 192, 128, 64, 16),
+    "small group": ((2048, 2048), 8, 2, 192, 128, 64, 16),
+    "long sequence": ((16384,), 16, 1, 192, 128, 64, 16),
+}
+
+
+def select_indices(lengths, N2, block, count, rng, causal=True):
+    """Block indices ``[T, N2, count]`` (int32) as NSA's selection makes them: each
+    token's list holds block 0 and its own two latest blocks (forced, as the paper's
+    initial and local blocks), then distinct blocks of its sequence drawn at random
+    (with ``causal``, from those not after its own while there are enough; the rest
+    come from later ones, which the mask hides). Every list is distinct blocks."""
+    T = int(sum(lengths))
+    topk = np.empty((T, N2, count), np.int32)
+    t = 0
+    for n in lengths:
+        blocks = n // block
+        if n and blocks < count:
+            raise ValueError(f"a sequence of {n} tokens holds {blocks} blocks of {block}, "
+                             f"fewer than the {count} each list names")
+        for s in range(n):
+            own = min(s // block, blocks - 1) if causal else blocks - 1
+            for j in range(N2):
+                chosen = list(dict.fromkeys((0, own, max(own - 1, 0))))[:count]
+                rest = rng.permutation(own + 1) if own + 1 > len(chosen) else ()
+                later = rng.permutation(np.arange(own + 1, blocks))
+                for b in (*rest, *later):
+                    if len(chosen) == count:
+                        break
+                    if b not in chosen:
+                        chosen.append(int(b))
+                topk[t + s, j] = chosen
+        t += n
+    return topk
+
+
+def visible_keys(topk, lengths, block, causal=True):
+    """Keys the selected lists let each (token, KV head) see, summed: what a
+    forward computes scores for (the FLOP count's key total)."""
+    if not causal:
+        return topk.size * block
+    pos = np.concatenate([np.arange(n) for n in lengths])[:, None, None]
+    own = pos // block
+    full = np.where(topk < own, block, 0)
+    diag = np.where(topk == own, pos % block + 1, 0)
+    return int((full + diag).sum())
+
+
+def select_problem(lengths, N1, N2, D, Dv, block, count, dtype, seed=0, causal=True):
+    """(query, key, value, topk_indices, scale, ends) of a selected-attention problem:
+    self-attention over packed sequences of ``lengths`` (prefix-sum ``ends``)."""
+    if isinstance(dtype, str):
+        dtype = numpy_dtype({"bfloat16": "bf16"}.get(dtype, dtype)) \
+            if dtype in (*DTYPES, "bfloat16") else np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    T = int(sum(lengths))
+    q = rng.standard_normal((T, N1, D), np.float32).astype(dtype)
+    k = rng.standard_normal((T, N2, D), np.float32).astype(dtype)
+    v = rng.standard_normal((T, N2, Dv), np.float32).astype(dtype)
+    topk = select_indices(lengths, N2, block, count, rng, causal)
+    return q, k, v, topk, D ** -0.5, np.cumsum(lengths).tolist()
