@@ -25,6 +25,13 @@ window (so keys and values compressed alike have lengths that match). Either way
 batches of any lengths; Dynamo guards on a list's length, so lists compile once per
 sequence count (see the README for the counts).
 
+Selected attention, ``npu_nsa_select_attention`` and ``npu_nsa_select_attention_grad``
+(``torch.ops.nsa_numba.nsa_select_attention`` / ``_grad``), takes the same arguments as
+torch_npu's; autograd differentiates it in query, key and value with the gradient
+operator, so the gradients are the explicit call's bits. Its sequence lengths are
+lists (or 1-D tensors, read once in eager code); under ``torch.compile`` a new number
+of sequences compiles a new graph (Dynamo guards on a list's length).
+
 Tensors cross to NumPy without copies (bfloat16 through an int16 view); results
 are the NumPy API's, bit for bit. A call uses at most ``torch.get_num_threads()``
 threads, so torchrun's per-rank ``OMP_NUM_THREADS`` holds for these kernels too.
@@ -43,11 +50,13 @@ from . import _internals, _pipeline, _seqlens
 from ._errors import invalid, missing
 from ._infer import PY_NAMES as INFER_NAMES
 from ._infer import infer_rules
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
 from ._plan import PY_NAMES, Rules, without_options
+from ._select import PY_NAMES as SELECT_NAMES
+from ._select import select_rules
 
 __all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer",
-           "pad_sequence_ends"]
+           "npu_nsa_select_attention", "npu_nsa_select_attention_grad", "pad_sequence_ends"]
 
 _FORWARD = "npu_nsa_compress"
 _GRAD = "npu_nsa_compress_grad"
@@ -570,3 +579,191 @@ def pad_sequence_ends(actual_seq_len, count):
     if not ends:
         raise invalid("pad_sequence_ends", "actual_seq_len must hold at least one end")
     return ends + [ends[-1]] * (count - len(ends))
+
+
+# -- selected attention ----------------------------------------------------------------
+
+_SELECT = "npu_nsa_select_attention"
+_SELECT_GRAD = "npu_nsa_select_attention_grad"
+_SELECT_RULES = {op: select_rules(op, names=without_options(SELECT_NAMES))
+                 for op in (_SELECT, _SELECT_GRAD)}
+
+
+def _indices_numpy(op, name, t):
+    """An integer CPU tensor as a NumPy array (no copy)."""
+    if not isinstance(t, torch.Tensor):
+        raise invalid(op, f"{name} must be a torch.Tensor of integers, got "
+                          f"{type(t).__name__}")
+    return _index_numpy(op, name, t)
+
+
+def _select_impl(query, key, value, topk_indices, scale, head_num, block, count, causal,
+                 seq_q, seq_kv):
+    op = _SELECT
+    results = _pipeline.call(
+        SELECT, _SELECT_RULES[op],
+        (_as_numpy(op, "query", query), _as_numpy(op, "key", key),
+         _as_numpy(op, "value", value), _indices_numpy(op, "topk_indices", topk_indices),
+         scale, head_num, block, count, _CAUSAL if causal else None, seq_q, seq_kv, None, None,
+         None), threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results)
+
+
+def _select_grad_impl(grad, query, key, value, attention_out, softmax_max, softmax_sum,
+                      topk_indices, scale, head_num, block, count, causal, seq_q, seq_kv):
+    op = _SELECT_GRAD
+    named = (("grad", grad), ("query", query), ("key", key), ("value", value),
+             ("attention_out", attention_out), ("softmax_max", softmax_max),
+             ("softmax_sum", softmax_sum))
+    arrays = [_as_numpy(op, name, t) for name, t in named]
+    results = _pipeline.call(
+        SELECT_GRAD, _SELECT_RULES[op],
+        (*arrays, _indices_numpy(op, "topk_indices", topk_indices), scale, head_num, block,
+         count, _CAUSAL if causal else None, seq_q, seq_kv, None, None, None),
+        threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results)
+
+
+#: what the operators pass as the mask: only whether one is given matters
+_CAUSAL = np.ones(1, np.bool_)
+
+
+@torch.library.custom_op("nsa_numba::nsa_select_attention", mutates_args=())
+def _nsa_select_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          topk_indices: torch.Tensor, scale_value: float, head_num: int,
+                          select_block_size: int, select_block_count: int, causal: bool,
+                          actual_seq_qlen: Optional[List[int]],
+                          actual_seq_kvlen: Optional[List[int]]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _select_impl(query, key, value, topk_indices, scale_value, head_num,
+                        select_block_size, select_block_count, causal, actual_seq_qlen,
+                        actual_seq_kvlen)
+
+
+def _stat_dtype(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@_nsa_select_attention.register_fake
+def _nsa_select_attention_fake(query, key, value, topk_indices, scale_value, head_num,
+                               select_block_size, select_block_count, causal,
+                               actual_seq_qlen, actual_seq_kvlen):
+    _check_meta(_SELECT, ("query", query, 3), ("key", key, 3), ("value", value, 3))
+    T1, N1 = query.shape[0], query.shape[1]
+    stats = query.new_empty((T1, N1, 8), dtype=_stat_dtype(query))
+    return (query.new_empty((T1, N1, value.shape[2])), stats, torch.empty_like(stats))
+
+
+@torch.library.custom_op("nsa_numba::nsa_select_attention_grad", mutates_args=())
+def _nsa_select_attention_grad(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_out: torch.Tensor,
+                               softmax_max: torch.Tensor, softmax_sum: torch.Tensor,
+                               topk_indices: torch.Tensor, scale_value: float, head_num: int,
+                               select_block_size: int, select_block_count: int, causal: bool,
+                               actual_seq_qlen: Optional[List[int]],
+                               actual_seq_kvlen: Optional[List[int]]
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _select_grad_impl(grad, query, key, value, attention_out, softmax_max, softmax_sum,
+                             topk_indices, scale_value, head_num, select_block_size,
+                             select_block_count, causal, actual_seq_qlen, actual_seq_kvlen)
+
+
+@_nsa_select_attention_grad.register_fake
+def _nsa_select_attention_grad_fake(grad, query, key, value, attention_out, softmax_max,
+                                    softmax_sum, topk_indices, scale_value, head_num,
+                                    select_block_size, select_block_count, causal,
+                                    actual_seq_qlen, actual_seq_kvlen):
+    _check_meta(_SELECT_GRAD, ("query", query, 3), ("key", key, 3), ("value", value, 3),
+                ("grad", grad, 3))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (query, key, value))
+
+
+def _select_setup(ctx, inputs, output):
+    query, key, value, topk, scale, head_num, block, count, causal, seq_q, seq_kv = inputs
+    out, smax, ssum = output
+    ctx.save_for_backward(query, key, value, topk, out, smax, ssum)
+    ctx.options = (scale, head_num, block, count, causal, seq_q, seq_kv)
+    ctx.mark_non_differentiable(smax, ssum)
+
+
+def _select_backward(ctx, grad, _max_grad, _sum_grad):
+    query, key, value, topk, out, smax, ssum = ctx.saved_tensors
+    if grad is None or not any(ctx.needs_input_grad[:3]):
+        return (None,) * 11
+    dq, dk, dv = torch.ops.nsa_numba.nsa_select_attention_grad(
+        grad, query, key, value, out, smax, ssum, topk, *ctx.options)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None,
+            dv if need[2] else None) + (None,) * 8
+
+
+_nsa_select_attention.register_autograd(_select_backward, setup_context=_select_setup)
+
+
+def _seq_list(op, name, values):
+    """Prefix sums as the operators' int list: a list or tuple (SymInts allowed under
+    torch.compile), a 1-D integer array or tensor, or None."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype not in _INT_DTYPES:
+            raise invalid(op, f"{name} must be a 1-D integer tensor or a list, got a tensor "
+                              f"of shape {tuple(values.shape)} and dtype {values.dtype}")
+        return values.tolist()
+    if torch.compiler.is_compiling() and isinstance(values, (list, tuple)):
+        return list(values)
+    return _seqlens.as_int_vector(op, name, values).tolist()
+
+
+def _select_arguments(op, tensors, topk_indices, scale_value, head_num, block, count,
+                      atten_mask, actual_seq_qlen, actual_seq_kvlen):
+    _require_tensors(op, **tensors, topk_indices=topk_indices)
+    if atten_mask is not None and not isinstance(atten_mask, torch.Tensor):
+        raise invalid(op, f"atten_mask must be None or a tensor (only whether it is given "
+                          f"matters), got {type(atten_mask).__name__}")
+    if isinstance(scale_value, bool) or not isinstance(scale_value, (int, float)):
+        raise invalid(op, f"scale_value must be a real number, got {scale_value!r} "
+                          f"({type(scale_value).__name__})")
+    return (topk_indices, float(scale_value), _check_int(op, "head_num", head_num),
+            _check_int(op, "select_block_size", block),
+            _check_int(op, "select_block_count", count), atten_mask is not None,
+            _seq_list(op, "actual_seq_qlen", actual_seq_qlen),
+            _seq_list(op, "actual_seq_kvlen", actual_seq_kvlen))
+
+
+def npu_nsa_select_attention(query, key, value, topk_indices, scale_value, head_num,
+                             select_block_size, select_block_count, *, atten_mask=None,
+                             actual_seq_qlen=None, actual_seq_kvlen=None):
+    """torch_npu.npu_nsa_select_attention on the CPU: ``(attention_out, softmax_max,
+    softmax_sum)``; differentiable in query, key and value (see
+    ``nsa_numba.nsa_select_attention`` for the semantics and the rules, which are the
+    strict ones here). ``topk_indices``: an integer tensor ``[T1, N2, c]``;
+    ``atten_mask``: any tensor makes the call causal (contents not read);
+    ``actual_seq_qlen`` / ``actual_seq_kvlen``: prefix sums (lists, tuples or 1-D
+    integer tensors). Registered as ``torch.ops.nsa_numba.nsa_select_attention``. Cast
+    under autocast as ``npu_nsa_compress`` is."""
+    op = _SELECT
+    tensors = dict(query=query, key=key, value=value)
+    options = _select_arguments(op, tensors, topk_indices, scale_value, head_num,
+                                select_block_size, select_block_count, atten_mask,
+                                actual_seq_qlen, actual_seq_kvlen)
+    query, key, value = _autocast(query, key, value)
+    return tuple(torch.ops.nsa_numba.nsa_select_attention(query, key, value, *options))
+
+
+def npu_nsa_select_attention_grad(grad, query, key, value, attention_out, softmax_max,
+                                  softmax_sum, topk_indices, scale_value, head_num,
+                                  select_block_size, select_block_count, *, atten_mask=None,
+                                  actual_seq_qlen=None, actual_seq_kvlen=None):
+    """torch_npu.npu_nsa_select_attention_grad on the CPU: ``(dq, dk, dv)``, the same bits
+    as autograd's gradients of ``npu_nsa_select_attention``."""
+    op = _SELECT_GRAD
+    tensors = dict(grad=grad, query=query, key=key, value=value, attention_out=attention_out,
+                   softmax_max=softmax_max, softmax_sum=softmax_sum)
+    options = _select_arguments(op, tensors, topk_indices, scale_value, head_num,
+                                select_block_size, select_block_count, atten_mask,
+                                actual_seq_qlen, actual_seq_kvlen)
+    grad, query, key, value, attention_out = _autocast(grad, query, key, value, attention_out)
+    return tuple(torch.ops.nsa_numba.nsa_select_attention_grad(
+        grad, query, key, value, attention_out, softmax_max, softmax_sum, *options))
