@@ -1,7 +1,8 @@
-"""The aclnn two-phase C API of the NSA compress operators, mirrored in Python.
+"""The aclnn two-phase C API of the NSA operators, mirrored in Python.
 
 Code written against CANN's ``aclnnNsaCompress`` / ``aclnnNsaCompressGrad`` /
-``aclnnNsaCompressWithCache`` runs unchanged and fails the same way:
+``aclnnNsaCompressWithCache`` / ``aclnnNsaSelectedAttention`` /
+``aclnnNsaSelectedAttentionGrad`` runs unchanged and fails the same way:
 
 1. ``aclnn...GetWorkspaceSize(...)`` validates every argument against the NPU's
    documented constraints and returns ``(status, workspace_size, executor)``;
@@ -20,8 +21,10 @@ read). An unexpected internal exception becomes ``ACLNN_ERR_INNER`` with its
 message. On any failure no output element changes.
 
 The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad`` /
-``nsa_compress_infer`` in strict mode (``_plan``, ``_infer``), with the C parameter
-names, float16 / bfloat16 only, and int32 ``slotMapping`` / ``blockTableOptional``.
+``nsa_compress_infer`` / ``nsa_select_attention`` / ``_grad`` in strict mode
+(``_plan``, ``_infer``, ``_select``), with the C parameter names, float16 / bfloat16
+only, and int32 ``slotMapping`` / ``blockTableOptional`` / ``topkIndices``; selected
+attention also takes ``inputLayout`` "TND" only and ``sparseMode`` 0 or 2.
 The with-cache operator returns 561002 (``ACLNN_ERR_INNER_TILING_ERROR``) for what
 the NPU's tiling rejects, as the NPU does.
 """
@@ -35,8 +38,10 @@ from . import _pipeline
 from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID,
                       ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
 from ._infer import infer_rules
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER
+from ._errors import invalid
+from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
 from ._plan import BFLOAT16, FLOAT16, Rules, overlaps
+from ._select import select_rules
 
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID",
@@ -45,6 +50,8 @@ __all__ = [
     "aclnnNsaCompressGradGetWorkspaceSize", "aclnnNsaCompressGrad",
     "aclnnNsaCompressWithCacheGetWorkspaceSize", "aclnnNsaCompressWithCache",
     "ACLNN_ERR_INNER_TILING_ERROR",
+    "aclnnNsaSelectedAttentionGetWorkspaceSize", "aclnnNsaSelectedAttention",
+    "aclnnNsaSelectedAttentionGradGetWorkspaceSize", "aclnnNsaSelectedAttentionGrad",
     "aclGetRecentErrMsg", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor",
     "aclOpExecutor",
 ]
@@ -74,6 +81,24 @@ INFER_RULES = infer_rules(
                layout="layoutOptional", cache="outputCache",
                actual_seq_len_type="actSeqLenType"),
     dtypes=(FLOAT16, BFLOAT16), index_dtype=np.dtype(np.int32), strict=True)
+
+_SELECT_NAMES = dict(
+    query="query", key="key", value="value", topk="topkIndices", scale="scaleValue",
+    head_num="headNum", block="selectedBlockSize", count="selectedBlockCount",
+    atten_mask="attenMaskOptional", seq_q="actualSeqQLenOptional",
+    seq_kv="actualSeqKvLenOptional", attention_out="attentionOut",
+    softmax_max="softmaxMaxOut", softmax_sum="softmaxSumOut")
+SELECT_RULES = select_rules(
+    "aclnnNsaSelectedAttentionGetWorkspaceSize", names=_SELECT_NAMES,
+    dtypes=(FLOAT16, BFLOAT16), index_dtype=np.dtype(np.int32), strict=True,
+    allocate_outputs=False)
+SELECT_GRAD_RULES = select_rules(
+    "aclnnNsaSelectedAttentionGradGetWorkspaceSize",
+    names=dict(_SELECT_NAMES, attention_out="attentionOut", grad="attentionOutGrad",
+               softmax_max="softmaxMax", softmax_sum="softmaxSum", dq="dqOut", dk="dkOut",
+               dv="dvOut"),
+    dtypes=(FLOAT16, BFLOAT16), index_dtype=np.dtype(np.int32), strict=True,
+    allocate_outputs=False)
 
 _errors = threading.local()
 
@@ -164,6 +189,58 @@ def aclnnNsaCompressWithCacheGetWorkspaceSize(input, weight, slotMapping, actSeq
                                layoutOptional, outputCache)
 
 
+def _select_mask(rules, inputLayout, sparseMode, attenMaskOptional):
+    """The mask the planner gets (causal only with sparseMode 2 and a mask), or NsaError
+    for a layout other than TND or a sparseMode other than 0 and 2."""
+    if not (isinstance(inputLayout, str) and inputLayout == "TND"):
+        raise invalid(rules.op, f"inputLayout must be 'TND', got {inputLayout!r}")
+    if isinstance(sparseMode, (bool, np.bool_)) or sparseMode not in (0, 2):
+        raise invalid(rules.op, f"sparseMode must be 0 or 2 (2: causal when "
+                                f"attenMaskOptional is given), got {sparseMode!r}")
+    return attenMaskOptional if sparseMode == 2 else None
+
+
+def aclnnNsaSelectedAttentionGetWorkspaceSize(query, key, value, topkIndices,
+                                              attenMaskOptional, actualSeqQLenOptional,
+                                              actualSeqKvLenOptional, scaleValue, headNum,
+                                              inputLayout, sparseMode, selectedBlockSize,
+                                              selectedBlockCount, softmaxMaxOut,
+                                              softmaxSumOut, attentionOut):
+    """Phase one of selected attention: validate, plan. -> (status, workspace_size,
+    executor). ``topkIndices`` int32 ``[T1, N2, c]``; the length lists are prefix sums;
+    the mask applies (derived from the indices, contents not read) with ``sparseMode``
+    2."""
+    try:
+        mask = _select_mask(SELECT_RULES, inputLayout, sparseMode, attenMaskOptional)
+    except NsaError as err:
+        return _fail(err.status, str(err)), 0, None
+    return _get_workspace_size(SELECT_RULES, SELECT, query, key, value, topkIndices,
+                               scaleValue, headNum, selectedBlockSize, selectedBlockCount,
+                               mask, actualSeqQLenOptional, actualSeqKvLenOptional,
+                               attentionOut, softmaxMaxOut, softmaxSumOut)
+
+
+def aclnnNsaSelectedAttentionGradGetWorkspaceSize(query, key, value, attentionOut,
+                                                  attentionOutGrad, softmaxMax, softmaxSum,
+                                                  topkIndices, actualSeqQLenOptional,
+                                                  actualSeqKvLenOptional, attenMaskOptional,
+                                                  scaleValue, selectedBlockSize,
+                                                  selectedBlockCount, headNum, inputLayout,
+                                                  sparseMode, dqOut, dkOut, dvOut):
+    """Phase one of the selected-attention gradient. -> (status, workspace_size,
+    executor). The gradient is that of the forward with the same mask and sparseMode
+    (docs/reference.md: the NPU masks with sparseMode 2 even without a mask)."""
+    try:
+        mask = _select_mask(SELECT_GRAD_RULES, inputLayout, sparseMode, attenMaskOptional)
+    except NsaError as err:
+        return _fail(err.status, str(err)), 0, None
+    return _get_workspace_size(SELECT_GRAD_RULES, SELECT_GRAD, attentionOutGrad, query, key,
+                               value, attentionOut, softmaxMax, softmaxSum, topkIndices,
+                               scaleValue, headNum, selectedBlockSize, selectedBlockCount,
+                               mask, actualSeqQLenOptional, actualSeqKvLenOptional, dqOut,
+                               dkOut, dvOut)
+
+
 def _check_run(op, kind, workspace, workspace_size, executor, stream):
     """The workspace as C-contiguous uint8 bytes, or raise NsaError. Caller holds the lock."""
     if executor is None:
@@ -233,7 +310,8 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
 
 #: the operator each plan kind belongs to
 _OPERATORS = {"forward": "aclnnNsaCompress", "grad": "aclnnNsaCompressGrad",
-              "infer": "aclnnNsaCompressWithCache"}
+              "infer": "aclnnNsaCompressWithCache", "select": "aclnnNsaSelectedAttention",
+              "select_grad": "aclnnNsaSelectedAttentionGrad"}
 
 
 def aclnnNsaCompress(workspace, workspaceSize, executor, stream=None):
@@ -250,6 +328,20 @@ def aclnnNsaCompressWithCache(workspace, workspaceSize, executor, stream=None):
     """Phase two of the with-cache operator: update ``outputCache`` in place. -> status."""
     return _run("aclnnNsaCompressWithCache", "infer", workspace, workspaceSize, executor,
                 stream)
+
+
+def aclnnNsaSelectedAttention(workspace, workspaceSize, executor, stream=None):
+    """Phase two of selected attention: compute ``attentionOut``, ``softmaxMaxOut`` and
+    ``softmaxSumOut``. -> status."""
+    return _run("aclnnNsaSelectedAttention", "select", workspace, workspaceSize, executor,
+                stream)
+
+
+def aclnnNsaSelectedAttentionGrad(workspace, workspaceSize, executor, stream=None):
+    """Phase two of the selected-attention gradient: compute ``dqOut``, ``dkOut`` and
+    ``dvOut``. -> status."""
+    return _run("aclnnNsaSelectedAttentionGrad", "select_grad", workspace, workspaceSize,
+                executor, stream)
 
 
 def _executor_call(op, executor):
