@@ -527,11 +527,10 @@ def select_grad_dq(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
 # -- backward: dk, dv (owner computes) --------------------------------------------------
 
 @jit
-def select_owners(topk, q_starts, blk_starts, blocks, offsets, entries, order):
+def select_owners(topk, q_starts, blk_starts, blocks, offsets, entries):
     """The inverted index: for owner ``u = gb * N2 + j``, ``entries[offsets[u]:
     offsets[u + 1]]`` are the ``t * count + i`` whose slot ``i`` of token ``t`` selects
-    block ``gb`` for KV head ``j``, in increasing order; ``order`` lists the owners by
-    decreasing number of entries (ties by index), the order the threads take them in."""
+    block ``gb`` for KV head ``j``, in increasing order."""
     T1, N2, count = topk.shape
     offsets[:] = 0
     b = 0
@@ -553,8 +552,6 @@ def select_owners(topk, q_starts, blk_starts, blocks, offsets, entries, order):
                 u = (blk_starts[b] + topk[t, j, i]) * N2 + j
                 entries[fill[u]] = t * count + i
                 fill[u] += 1
-    sizes = offsets[1:] - offsets[:-1]
-    order[:] = np.argsort(-sizes, kind="mergesort")
 
 
 @jit

@@ -534,7 +534,9 @@ def run_select(plan, workspace=None, threads=None):
                 w["vt"], st("dq"), w["scratch"], w["index"], plan.G, plan.block,
                 plan.padded, scale, plan.causal)
     _attention.select_owners(plan.topk, plan.q_starts, plan.blk_starts, plan.blocks,
-                             w["offsets"], w["entries"], w["order"])
+                             w["offsets"], w["entries"])
+    # the threads take the owners with the most entries first (ties by index)
+    w["order"][:] = np.argsort(-np.diff(w["offsets"]), kind="stable")
     _launch(_attention.select_grad_dkdv, useful, 1, *common, plan.block_row, plan.tails,
             w["offsets"], w["entries"], w["order"], w["kt"], w["vt"], st("dk"), st("dv"),
             w["scratch"], w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)

@@ -30,8 +30,9 @@ def _numpy_dtype(name):
     return np.dtype({"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}[name])
 
 
-#: what ``warmup`` can compile, by operator
-OPS = ("forward", "backward", "decoding")
+#: what ``warmup`` can compile, by operator ("attention": selected attention and its
+#: gradient)
+OPS = ("forward", "backward", "decoding", "attention")
 #: the inputs ``warmup(strided=True)`` adds, with contiguous weights, gradients and
 #: outputs: views users often pass (each a variant of its own for the kernels), every
 #: other element of the last axis and tokens in reverse order
@@ -82,6 +83,17 @@ def _steps(dtype, strided):
                                    block_table=table, actual_seq_len=[48] * writers,
                                    cache=cache, strict=False)
 
+    def attention(view=lambda a: a, grad_view=lambda a: a):
+        # two sequences, G = 2, a block of 16 (whole tiles) and a causal mask
+        ends, topk = [64, 128], np.zeros((128, 1, 2), np.int32)
+        topk[:, 0, 1] = np.arange(128) % 64 // 16
+        q, k, v = view(data(128, 2, 32)), view(data(128, 1, 32)), view(data(128, 1, 16))
+        kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends,
+                  strict=False)
+        out, smax, ssum = api.nsa_select_attention(q, k, v, topk, 0.2, 2, 16, 2, **kw)
+        api.nsa_select_attention_grad(grad_view(out.copy()), q, k, v, out, smax, ssum, topk,
+                                      0.2, 2, 16, 2, **kw)
+
     width = _simd.WIDTH
     steps = [
         ("forward", "forward, vector rows", lambda: forward(96, 2, 2 * width)),
@@ -92,6 +104,7 @@ def _steps(dtype, strided):
          lambda: backward(96, 2, 2 * width, grad_view=_contracted)),
         ("decoding", "decoding step, one thread", lambda: decode(2, False)),
         ("decoding", "decoding step, threads", lambda: decode(64, True)),
+        ("attention", "selected attention and gradient", attention),
     ]
     if strided:
         for name, view in _VIEWS.items():
@@ -99,7 +112,9 @@ def _steps(dtype, strided):
                       ("backward", f"backward, {name}",
                        lambda v=view: backward(96, 2, 64, v)),
                       ("backward", f"backward, {name}, contraction's gradient",
-                       lambda v=view: backward(96, 2, 64, v, _contracted))]
+                       lambda v=view: backward(96, 2, 64, v, _contracted)),
+                      ("attention", f"selected attention, {name}",
+                       lambda v=view: attention(v, v))]
     return steps
 
 

@@ -12,7 +12,7 @@ from nsa_numba._jit import BOUNDSCHECK
 
 
 #: the two halves of the kernels compiled side by side, of about equal compile time
-WARMUP_PARTS = ('("forward", "decoding")', '("backward",)')
+WARMUP_PARTS = ('("forward", "decoding", "attention")', '("backward",)')
 
 
 def pytest_configure(config):

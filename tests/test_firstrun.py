@@ -24,6 +24,14 @@ for step in range(2):          # a training loop: the second step's calls come a
     out = nsa_numba.nsa_compress(x, w[:, :4], 32, 16, actual_seq_len=[0, 300])
     nsa_numba.nsa_compress_grad(np.ones_like(out), x, w[:, :4], 32, 16,
                                 actual_seq_len=[0, 300])
+from nsa_numba.bench.cases import select_problem
+for step in range(2):          # selected attention, a training step twice
+    *arrays, scale, ends = select_problem([96, 64], 4, 2, 64, 32, 16, 3, "float32")
+    kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends,
+              strict=False)
+    res = nsa_numba.nsa_select_attention(*arrays, scale, 4, 16, 3, **kw)
+    nsa_numba.nsa_select_attention_grad(np.ones_like(res[0]), *arrays[:3], *res, arrays[3],
+                                        scale, 4, 16, 3, **kw)
 x = rng.standard_normal((8, 64, 2, 128)).astype(np.float32)
 cache = np.zeros((40, 2, 128), np.float32)
 for writers in (1, 40):
@@ -49,6 +57,16 @@ for dtype in (torch.bfloat16,):           # one dtype shows it; each compiles al
         (s @ kc.float().transpose(0, 1)).sum().backward()
         kc2 = npu_nsa_compress(k.contiguous(), w, 32, 16, actual_seq_len=[0, 80, 200])
         torch.matmul(q.transpose(0, 1), kc2.permute(1, 2, 0)).float().square().sum().backward()
+from nsa_numba.torch import npu_nsa_select_attention
+from nsa_numba.bench.cases import select_problem
+for step in range(2):                     # selected attention, its output projected
+    *arrays, scale, ends = select_problem([32, 48], 4, 2, 192, 128, 16, 2, "float32")
+    q, k, v = (torch.from_numpy(a).to(torch.bfloat16).requires_grad_() for a in arrays[:3])
+    proj = torch.randn(128, 64, dtype=torch.bfloat16)
+    out, _, _ = npu_nsa_select_attention(q, k, v, torch.from_numpy(arrays[3]), scale, 4, 16,
+                                         2, atten_mask=torch.ones(1), actual_seq_qlen=ends,
+                                         actual_seq_kvlen=ends)
+    (out @ proj).float().square().sum().backward()
 """
 
 FORWARD = """
@@ -95,12 +113,12 @@ def test_warmup_compiles_what_calls_need(cold):
     proc = cold("warmup", "--dtype", "fp32", "--strided", "--times")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("nsa_numba warmup: fp32; cache ")
-    # 7 steps on contiguous arrays, 6 on strided views
-    assert [line.split()[0] for line in lines[1:14]] == [f"[{i}/13]" for i in range(1, 14)]
-    assert lines[14].startswith("done in ") and lines[14].endswith(" s")
+    # 8 steps on contiguous arrays, 8 on strided views
+    assert [line.split()[0] for line in lines[1:17]] == [f"[{i}/16]" for i in range(1, 17)]
+    assert lines[17].startswith("done in ") and lines[17].endswith(" s")
     # --times: what compiled, one row per kernel or helper variant, then the total
-    assert lines[15].split() == ["compiled", "dtype", "variant", "seconds", "IR", "KiB"]
-    rows = [line.split() for line in lines[16:-1]]
+    assert lines[18].split() == ["compiled", "dtype", "variant", "seconds", "IR", "KiB"]
+    rows = [line.split() for line in lines[19:-1]]
     backward = [r for r in rows if r[0] == "compress_backward_simd"]   # D = 2 * WIDTH
     assert {r[2] for r in backward} >= {"CCCCCCCCC", "ACCCCCCCC"}   # a contraction's grad
     assert all(r[1] == "float32" and float(r[3]) > 0 and int(r[4]) > 0 for r in backward)
@@ -140,6 +158,36 @@ def test_the_demo_compiles_within_its_budget(cold):
     # and all of it loads from the cache in the next process (a kernel Numba cannot
     # match to its cache entry, such as a closure over a compiled function, would not)
     assert "nsa_numba: compiling" not in cold("demo").stderr
+
+
+#: what a first selected-attention training step (one dtype, forward and gradient)
+#: may compile: the index check, then the staging, forward, dq, inverted-index and
+#: owners' kernels, one variant each
+SELECT_BUDGET = ["the planning helper _first_bad_index", "the kernel select_stage",
+                 "the kernel select_forward", "the kernel select_grad_dq",
+                 "the kernel select_owners", "the kernel select_grad_dkdv"]
+
+SELECT_STEP = """
+import numpy as np
+import nsa_numba
+from nsa_numba.bench.cases import select_problem
+for step in range(2):
+    *arrays, scale, ends = select_problem([64, 96], 8, 2, 32, 16, 16, 2, "float16", seed=step)
+    kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends,
+              strict=False)
+    res = nsa_numba.nsa_select_attention(*arrays, scale, 8, 16, 2, **kw)
+    nsa_numba.nsa_select_attention_grad(res[0], *arrays[:3], *res, arrays[3], scale, 8, 16,
+                                        2, **kw)
+"""
+
+
+def test_a_selected_attention_step_compiles_within_its_budget(cold):
+    lines = cold(code=SELECT_STEP).stderr.splitlines()
+    compiled = [line.split(" ", 2)[2].split(" (")[0] for line in lines
+                if line.startswith("nsa_numba: ")]
+    names = [what.removesuffix(" for float16") for what in compiled]
+    assert names == SELECT_BUDGET, compiled
+    assert "nsa_numba: compiling" not in cold(code=SELECT_STEP).stderr
 
 
 WARMUP_IN_PROCESSES = """
