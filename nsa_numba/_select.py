@@ -547,6 +547,29 @@ def _launch(kernel, threads, chunk, *args):
     its parallel loop at a time."""
     previous = numba.set_parallel_chunksize(chunk)
     try:
-        _threading.launch(kernel, threads, *args)
+        _threading.launch(_entry(kernel, args), threads, *args)
     finally:
         numba.set_parallel_chunksize(previous)
+
+
+#: compiled entry points by (kernel, argument types): a few per kernel and dtype
+_entries = {}
+
+
+def _entry(kernel, args):
+    """The compiled ``kernel`` for ``args`` with every 3-axis array typed as of any
+    layout: the kernels read and write those arrays an element at a time, where the
+    layout costs nothing, and one variant per dtype serves every memory order (each
+    other layout would compile again for seconds: docs/design.md, "What a kernel
+    costs to compile")."""
+    types = tuple(_any_layout(numba.typeof(a)) for a in args)
+    fn = _entries.get((kernel, types))
+    if fn is None:
+        fn = _entries[kernel, types] = kernel.compile(types)
+    return fn
+
+
+def _any_layout(t):
+    if isinstance(t, numba.types.Array) and t.ndim == 3:
+        return numba.types.Array(t.dtype, 3, "A", aligned=t.aligned)
+    return t

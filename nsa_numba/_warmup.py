@@ -83,16 +83,17 @@ def _steps(dtype, strided):
                                    block_table=table, actual_seq_len=[48] * writers,
                                    cache=cache, strict=False)
 
-    def attention(view=lambda a: a, grad_view=lambda a: a):
-        # two sequences, G = 2, a block of 16 (whole tiles) and a causal mask
+    def attention():
+        # two sequences, G = 2, a block of 16 (whole tiles) and a causal mask; arrays of
+        # any memory order share the one variant (_select._entry)
         ends, topk = [64, 128], np.zeros((128, 1, 2), np.int32)
         topk[:, 0, 1] = np.arange(128) % 64 // 16
-        q, k, v = view(data(128, 2, 32)), view(data(128, 1, 32)), view(data(128, 1, 16))
+        q, k, v = data(128, 2, 32), data(128, 1, 32), data(128, 1, 16)
         kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends,
                   strict=False)
         out, smax, ssum = api.nsa_select_attention(q, k, v, topk, 0.2, 2, 16, 2, **kw)
-        api.nsa_select_attention_grad(grad_view(out.copy()), q, k, v, out, smax, ssum, topk,
-                                      0.2, 2, 16, 2, **kw)
+        api.nsa_select_attention_grad(out.copy(), q, k, v, out, smax, ssum, topk, 0.2, 2, 16,
+                                      2, **kw)
 
     width = _simd.WIDTH
     steps = [
@@ -112,9 +113,7 @@ def _steps(dtype, strided):
                       ("backward", f"backward, {name}",
                        lambda v=view: backward(96, 2, 64, v)),
                       ("backward", f"backward, {name}, contraction's gradient",
-                       lambda v=view: backward(96, 2, 64, v, _contracted)),
-                      ("attention", f"selected attention, {name}",
-                       lambda v=view: attention(v, v))]
+                       lambda v=view: backward(96, 2, 64, v, _contracted))]
     return steps
 
 

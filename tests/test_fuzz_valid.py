@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, note, settings, strategies as st
 
 import nsa_numba
+from nsa_numba import reference as ref
 from conftest import DTYPES, assert_forward_accurate, assert_grad_accurate
 from fuzzing import EXTENDED_EXAMPLES
 from test_layouts import from_layout, to_layout
@@ -234,3 +235,94 @@ def check_decoding_step(p):
     from test_infer import check_step
     check_step(np.asarray(cs), cache, x, w, p["slots"], block, p["stride"], page, lengths,
                table)
+
+
+# -- selected attention -------------------------------------------------------------------
+
+@st.composite
+def select_problems(draw):
+    strict = draw(st.booleans())
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    N2 = draw(st.integers(1, 3))
+    G = draw(st.integers(1, 5))
+    if strict:
+        D, Dv = 192, 128
+        block = 16 * draw(st.integers(1, 2))
+        count = draw(st.integers(1, 3))
+        kv = [block * draw(st.integers(count, count + 2))
+              for _ in range(draw(st.integers(1, 3)))]
+        q = list(kv)
+    else:
+        D, Dv = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+        block, count = draw(st.integers(1, 24)), draw(st.integers(1, 4))
+        B = draw(st.integers(1, 3))
+        kv = [draw(st.integers(block, 4 * block)) for _ in range(B)]
+        q = [draw(st.integers(0, 40)) for _ in range(B)]
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = np.random.default_rng(seed)
+    topk = np.concatenate([rng.integers(0, n // block, (m, N2, count))
+                           for m, n in zip(q, kv)]).astype(np.int32)
+    if count > 1 and draw(st.booleans()):
+        topk[:, :, -1] = topk[:, :, 0]                   # a block read twice
+    memory = {role: draw(st.sampled_from(list(MEMORY)))
+              for role in ("query", "key", "value", "grad", "out")}
+    return dict(strict=strict, dtype=dtype, N2=N2, G=G, D=D, Dv=Dv, block=block,
+                count=count, q=q, kv=kv, topk=topk, causal=draw(st.booleans()),
+                memory=memory, give_outputs=draw(st.booleans()),
+                index=draw(st.sampled_from(["int32", "int64", "uint8"])),
+                given_ends=draw(st.booleans()) or len(q) > 1, seed=seed)
+
+
+@settings(max_examples=40)
+@given(select_problems())
+def test_generated_selected_attention_matches_reference(p):
+    check_select(p)
+
+
+@pytest.mark.extended
+@settings(max_examples=EXTENDED_EXAMPLES)
+@given(select_problems())
+def test_more_generated_selected_attention_matches_reference(p):
+    check_select(p)
+
+
+def check_select(p):
+    from test_select_attention import STAT_TOLERANCE, TOLERANCE, _close
+    note(f"problem: {p}")
+    rng = np.random.default_rng(p["seed"])
+    N2, G, dtype = p["N2"], p["G"], p["dtype"]
+    N1 = N2 * G
+    T1, T2 = sum(p["q"]), sum(p["kv"])
+    q = rng.standard_normal((T1, N1, p["D"])).astype(dtype)
+    k = rng.standard_normal((T2, N2, p["D"])).astype(dtype)
+    v = rng.standard_normal((T2, N2, p["Dv"])).astype(dtype)
+    g = rng.standard_normal((T1, N1, p["Dv"])).astype(dtype)
+    qs, ks, vs, gs = (MEMORY[p["memory"][r]](a)
+                      for r, a in (("query", q), ("key", k), ("value", v), ("grad", g)))
+    ends_q, ends_kv = np.cumsum(p["q"]).tolist(), np.cumsum(p["kv"]).tolist()
+    if not p["given_ends"]:
+        ends_q = ends_kv = None
+    topk = p["topk"].astype(p["index"])
+    scale = float(p["D"]) ** -0.5
+    kw = dict(atten_mask=np.zeros((2, 2), np.uint8) if p["causal"] else None,
+              actual_seq_qlen=ends_q, actual_seq_kvlen=ends_kv, strict=p["strict"])
+    outs = {}
+    if p["give_outputs"]:
+        stat = np.float64 if dtype == np.float64 else np.float32
+        outs = dict(attention_out=_sentinel_output(g.shape, dtype, p["memory"]["out"]),
+                    softmax_max=_sentinel_output((T1, N1, 8), stat, p["memory"]["out"]),
+                    softmax_sum=_sentinel_output((T1, N1, 8), stat, p["memory"]["out"]))
+    res = nsa_numba.nsa_select_attention(qs, ks, vs, topk, scale, N1, p["block"], p["count"],
+                                         **outs, **kw)
+    assert all(res[i] is outs[k] for i, k in enumerate(outs))
+    exact = ref.select_attention(q, k, v, p["topk"], scale, N1, p["block"], p["count"],
+                                 p["causal"], ends_q, ends_kv)
+    _close(res[0], exact[0], TOLERANCE[dtype.name], "attention_out")
+    for got, want, name in zip(res[1:], exact[1:], ("softmax_max", "softmax_sum")):
+        _close(np.asarray(got)[..., 0], want, STAT_TOLERANCE[dtype.name], name)
+    grads = nsa_numba.nsa_select_attention_grad(gs, qs, ks, vs, *res, topk, scale, N1,
+                                                p["block"], p["count"], **kw)
+    exact = ref.select_attention_grad(g, q, k, v, p["topk"], scale, N1, p["block"],
+                                      p["count"], p["causal"], ends_q, ends_kv)
+    for got, want, name in zip(grads, exact, ("dq", "dk", "dv")):
+        _close(got, want, TOLERANCE[dtype.name], name)
