@@ -23,7 +23,11 @@ from nsa_numba import NsaError
 from nsa_numba.aclnn import (ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
                              ACLNN_SUCCESS, aclDestroyAclOpExecutor, aclGetRecentErrMsg,
                              aclnnNsaCompress, aclnnNsaCompressGetWorkspaceSize,
-                             aclnnNsaCompressGrad, aclnnNsaCompressGradGetWorkspaceSize)
+                             aclnnNsaCompressGrad, aclnnNsaCompressGradGetWorkspaceSize,
+                             aclnnNsaSelectedAttention,
+                             aclnnNsaSelectedAttentionGetWorkspaceSize,
+                             aclnnNsaSelectedAttentionGrad,
+                             aclnnNsaSelectedAttentionGradGetWorkspaceSize)
 from nsa_numba._layouts import LAYOUTS
 from fuzzing import settings  # noqa: F401  (loads the profile)
 
@@ -628,4 +632,186 @@ def test_invalid_decoding_step_is_rejected_by_both_apis(call):
     assert status in INFER_REJECTED, (status, aclGetRecentErrMsg())
     message = aclGetRecentErrMsg()
     assert any(name in message for name in INFER_C_PARAMS), message
+    _assert_unchanged(snapshot)
+
+
+# -- selected attention --------------------------------------------------------------------
+
+SELECT_REJECTED = REJECTED | {ACLNN_ERR_INNER_TILING_ERROR}
+SELECT_PY_PARAMS = ["query", "key", "value", "topk_indices", "scale_value", "head_num",
+                    "select_block_size", "select_block_count", "atten_mask",
+                    "actual_seq_qlen", "actual_seq_kvlen", "attention_out", "softmax_max",
+                    "softmax_sum", "grad", "dq", "dk", "dv", "N1", "N2"]
+SELECT_C_PARAMS = ["query", "key", "value", "topkIndices", "scaleValue", "headNum",
+                   "selectedBlockSize", "selectedBlockCount", "attenMaskOptional",
+                   "actualSeqQLenOptional", "actualSeqKvLenOptional", "attentionOut",
+                   "softmaxMaxOut", "softmaxSumOut", "softmaxMax", "softmaxSum",
+                   "attentionOutGrad", "dqOut", "dkOut", "dvOut", "N1", "N2"]
+SELECT_ARRAYS = {"forward": ("query", "key", "value", "topk", "attention_out", "softmax_max",
+                             "softmax_sum"),
+                 "grad": ("grad", "query", "key", "value", "attention_out", "softmax_max",
+                          "softmax_sum", "topk", "dq", "dk", "dv")}
+SELECT_OUTPUTS = {"forward": ("attention_out", "softmax_max", "softmax_sum"),
+                  "grad": ("dq", "dk", "dv")}
+
+
+@st.composite
+def valid_select_calls(draw):
+    """A valid strict float16/bfloat16 selected-attention call, outputs given."""
+    from nsa_numba.bench.cases import select_problem
+    op = draw(st.sampled_from(["forward", "grad"]))
+    dtype = np.dtype(draw(st.sampled_from([np.float16, ml_dtypes.bfloat16])))
+    N2, G = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    block, count = 16, draw(st.integers(1, 2))
+    lengths = [block * draw(st.integers(count, count + 1))
+               for _ in range(draw(st.integers(1, 2)))]
+    q, k, v, topk, scale, ends = select_problem(lengths, N1 := N2 * G, N2, 192, 128, block,
+                                                count, dtype, seed=draw(st.integers(0, 99)))
+    T = q.shape[0]
+    call = dict(op=op, query=q, key=k, value=v, topk=topk, scale=scale, head_num=N1,
+                block=block, count=count, mask=np.ones(1), seq_q=ends, seq_kv=list(ends),
+                attention_out=np.full((T, N1, 128), 3, dtype),
+                softmax_max=np.full((T, N1, 8), 3, np.float32),
+                softmax_sum=np.full((T, N1, 8), 3, np.float32))
+    if op == "grad":
+        call.update(grad=np.ones((T, N1, 128), dtype), dq=np.full(q.shape, 3, dtype),
+                    dk=np.full(k.shape, 3, dtype), dv=np.full(v.shape, 3, dtype))
+    return call
+
+
+@st.composite
+def select_mutations(draw):
+    call = draw(valid_select_calls())
+    key = draw(st.sampled_from(list(SELECT_ARRAYS[call["op"]]) + [
+        "scale", "head_num", "block", "count", "mask", "seq_q", "seq_kv"]))
+    good = call[key]
+    if key == "topk":
+        how = draw(st.sampled_from(["negative", "past", "shape", "float", "none"]))
+        note(f"topk: {how}")
+        bad = good.copy()
+        t, j, i = (draw(st.integers(0, n - 1)) for n in good.shape)
+        if how == "negative":
+            bad[t, j, i] = -draw(st.integers(1, 2 ** 31 - 1))
+        elif how == "past":
+            bad[t, j, i] = draw(st.integers(good.max() + 2, 2 ** 31 - 1))
+        elif how == "shape":
+            bad = bad[:, :, :0] if draw(st.booleans()) else bad[1:]
+        elif how == "float":
+            bad = bad.astype(np.float32)
+        else:
+            bad = None
+        call["topk"] = bad
+    elif isinstance(good, np.ndarray):
+        output = key in SELECT_OUTPUTS[call["op"]]    # None: allocated (Python API)
+        how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
+                                   + (["alias"] if output else ["none"])))
+        note(f"{key}: {how}")
+        if how == "none":
+            call[key] = None
+        elif how == "not-array":
+            call[key] = draw(NOT_ARRAYS)
+        elif how == "ndim":
+            call[key] = good.reshape(-1)
+        elif how == "dtype":
+            call[key] = good.astype(np.float64 if key.startswith("softmax") else
+                                    _other_half(good.dtype))
+        elif how == "shape":
+            axis = draw(st.integers(0, 2))
+            shape = list(good.shape)
+            shape[axis] = draw(st.integers(1, shape[axis] + 20).filter(
+                lambda n: n != good.shape[axis]))
+            call[key] = np.full(shape, 3, good.dtype)
+        else:                            # an output over an input's or another's memory
+            source = call["query" if key != "attention_out" else "value"]
+            if good.dtype == source.dtype and source.size >= good.size:
+                call[key] = source.reshape(-1)[:good.size].reshape(good.shape)
+            else:
+                other = [o for o in SELECT_OUTPUTS[call["op"]] if o != key
+                         and call[o].dtype == good.dtype and call[o].size >= good.size]
+                assume(other)
+                call[key] = call[other[0]].reshape(-1)[:good.size].reshape(good.shape)
+    elif key in ("seq_q", "seq_kv"):
+        how = draw(st.sampled_from(["end", "decreasing", "length", "float"]))
+        note(f"{key}: {how}")
+        seq = list(good)
+        if how == "end":
+            seq[-1] += draw(st.sampled_from([-1, 1, 16]))
+        elif how == "decreasing":
+            assume(len(seq) > 1)
+            seq[0] = seq[-1] + 1
+        elif how == "length":
+            seq = seq + [seq[-1]]
+        else:
+            seq[0] = float(seq[0]) + 0.5
+        call[key] = seq
+    else:
+        value = draw(st.sampled_from({
+            "scale": ["1", None, [1.0], True],
+            "head_num": [0, call["head_num"] + 1, 1.0, None],
+            "block": [0, 8, 24, 256, 16.0, "16"],
+            "count": [0, 33, 2.0, None],
+            "mask": ["causal", 1, [1]]}[key]))
+        note(f"{key}: {value!r}")
+        call[key] = value
+    return call
+
+
+def _select_snapshot(call):
+    return {k: (call[k], call[k].copy()) for k in SELECT_ARRAYS[call["op"]]
+            if isinstance(call.get(k), np.ndarray) and call[k].dtype != object}
+
+
+def _select_python(call):
+    kw = dict(atten_mask=call["mask"], actual_seq_qlen=call["seq_q"],
+              actual_seq_kvlen=call["seq_kv"])
+    common = (call["topk"], call["scale"], call["head_num"], call["block"], call["count"])
+    if call["op"] == "forward":
+        return nsa_numba.nsa_select_attention(
+            call["query"], call["key"], call["value"], *common,
+            attention_out=call["attention_out"], softmax_max=call["softmax_max"],
+            softmax_sum=call["softmax_sum"], **kw)
+    return nsa_numba.nsa_select_attention_grad(
+        call["grad"], call["query"], call["key"], call["value"], call["attention_out"],
+        call["softmax_max"], call["softmax_sum"], *common, dq=call["dq"], dk=call["dk"],
+        dv=call["dv"], **kw)
+
+
+def _select_aclnn(call):
+    if call["op"] == "forward":
+        status, size, executor = aclnnNsaSelectedAttentionGetWorkspaceSize(
+            call["query"], call["key"], call["value"], call["topk"], call["mask"],
+            call["seq_q"], call["seq_kv"], call["scale"], call["head_num"], "TND", 2,
+            call["block"], call["count"], call["softmax_max"], call["softmax_sum"],
+            call["attention_out"])
+        run = aclnnNsaSelectedAttention
+    else:
+        status, size, executor = aclnnNsaSelectedAttentionGradGetWorkspaceSize(
+            call["query"], call["key"], call["value"], call["attention_out"], call["grad"],
+            call["softmax_max"], call["softmax_sum"], call["topk"], call["seq_q"],
+            call["seq_kv"], call["mask"], call["scale"], call["block"], call["count"],
+            call["head_num"], "TND", 2, call["dq"], call["dk"], call["dv"])
+        run = aclnnNsaSelectedAttentionGrad
+    if status == ACLNN_SUCCESS:
+        status = run(np.empty(size, np.uint8), size, executor)
+        raise AssertionError(f"the aclnn mirror accepted an invalid call ({status})")
+    return status
+
+
+@given(select_mutations())
+def test_invalid_selected_attention_is_rejected_by_both_apis(call):
+    snapshot = _select_snapshot(call)
+    try:
+        _select_python(call)
+    except NsaError as err:
+        assert err.status in SELECT_REJECTED, err.status
+        assert any(name in str(err) for name in SELECT_PY_PARAMS), str(err)
+        note(str(err))
+    else:
+        raise AssertionError("the Python API accepted an invalid selected-attention call")
+    _assert_unchanged(snapshot)
+    aclGetRecentErrMsg()
+    status = _select_aclnn(call)
+    assert status in SELECT_REJECTED, (status, aclGetRecentErrMsg())
+    message = aclGetRecentErrMsg()
+    assert any(name in message for name in SELECT_C_PARAMS), message
     _assert_unchanged(snapshot)
