@@ -265,3 +265,52 @@ def test_bench_compare_needs_a_checkout(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "--compare runs in a git checkout" in proc.stderr
+
+
+#: a selected-attention case small enough for a test: (lengths, N1, N2, D, Dv, l', c)
+TINY_SELECT = ((64, 32), 4, 2, 192, 128, 16, 2)
+
+
+def test_attention_benchmarks_run_once(monkeypatch):
+    from benchmarks import bench_attention
+    from nsa_numba.bench import attention, cases
+    monkeypatch.setitem(cases.SELECT_CASES, "tiny", TINY_SELECT)
+    bench = bench_attention.SelectedAttention()
+    bench.setup("tiny", "fp16")
+    bench.time_forward("tiny", "fp16")
+    bench.time_backward("tiny", "fp16")
+    use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
+    if use_torch:
+        pytest.importorskip("torch")
+    result = attention.run_select_case("tiny", "fp16", 2, 100.0, use_torch)
+    keys = cases.visible_keys(cases.select_problem(*TINY_SELECT, "fp16")[3], (64, 32), 16)
+    assert result["forward_gflops"] == pytest.approx(2 * keys * 2 * 320 / result["forward_s"]
+                                                     / 1e9)
+    assert result["forward_pct"] == pytest.approx(result["forward_gflops"])
+    assert result["backward_pct"] > 0
+    if use_torch:
+        assert result["forward_speedup"] > 0 and result["backward_speedup"] > 0
+    table = attention.format_select([result])
+    assert table.splitlines()[1].startswith("tiny")
+
+
+def test_visible_keys_counts_what_the_mask_leaves():
+    from nsa_numba.bench.cases import visible_keys
+    topk = np.array([[[0, 1]], [[1, 0]], [[0, 1]]], np.int32)      # tokens 0, 1, 2; l' = 2
+    # token 0 sees key 0 of block 0; token 1 keys 0-1; token 2 block 0 and key 2 of block 1
+    assert visible_keys(topk, [3], 2) == 1 + 2 + 3
+    assert visible_keys(topk, [3], 2, causal=False) == 12
+
+
+def test_bench_select_command(tmp_path):
+    out = tmp_path / "select.json"
+    proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--select",
+                           "--select-case", "small group", "--dtype", "bf16", "--repeat", "1",
+                           "--no-torch", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "float32 matrix-multiply rate" in proc.stdout
+    run = json.loads(out.read_text())
+    assert run["matmul_gflops"] > 0
+    (result,) = run["select"]
+    assert result["case"] == "small group" and 0 < result["forward_pct"] < 100

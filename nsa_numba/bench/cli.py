@@ -7,8 +7,8 @@ from dataclasses import asdict
 import numba
 
 from .. import _pool
-from .cases import (DEFAULT_SHAPES, DTYPES, INFER_CASES, NON_CONTIGUOUS, OVERHEAD_SHAPE, Case,
-                    numpy_dtype, parse_shape)
+from .cases import (DEFAULT_SHAPES, DTYPES, INFER_CASES, NON_CONTIGUOUS, OVERHEAD_SHAPE,
+                    SELECT_CASES, Case, numpy_dtype, parse_shape)
 from .harness import CacheFlush, copy_task, read_task
 from .reports import (format_infer, format_input_reads, format_overhead, format_table,
                       markdown_table, plot_results)
@@ -44,6 +44,8 @@ def main(args):
             use_torch = False
     if args.infer:
         return main_infer(args, threads, use_torch)
+    if args.select:
+        return main_select(args, threads, use_torch)
     shapes = args.shape or DEFAULT_SHAPES
     views = ("contiguous",) + (NON_CONTIGUOUS if args.strided else ())
     cases = [Case(*shape, dtype=dt, view=view)
@@ -168,6 +170,29 @@ def main_infer(args, threads, use_torch):
     return 0
 
 
+def main_select(args, threads, use_torch):
+    from .attention import format_select, matmul_rate, run_select_case
+    rate, who = matmul_rate(threads)
+    names = args.select_case or list(SELECT_CASES)
+    cases = [(name, dt) for name in names for dt in args.dtype]
+    results = []
+    for i, (name, dt) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
+        results.append(run_select_case(name, dt, args.repeat, rate, use_torch))
+    print(f"nsa_numba bench --select: {threads} thread(s); medians of {args.repeat} rounds; "
+          + (f"float32 matrix-multiply rate {rate:.0f} GFLOP/s ({who}, {threads} thread(s), "
+             f"same run)" if rate else "no matrix-multiply rate (neither BLAS ran)"))
+    print(format_select(results))
+    print("(FLOPs: 2 per multiply-add over the keys each query sees; % mm: of the rate "
+          "above; x torch: the PyTorch implementation's time over this one's"
+          + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
+                           matmul_by=who, select=results), f, indent=2)
+    return 0
+
+
 def add_arguments(parser):
     parser.add_argument("--shape", action="append", type=parse_shape, metavar="T,N,D,l,d,seqs",
                         help="a problem to run (repeatable); default: the three reference "
@@ -203,6 +228,13 @@ def add_arguments(parser):
                         help="instead: the with-cache (decoding) operator on three steps "
                              "(typical, one sequence, large), against the PyTorch gather + "
                              "einsum step")
+    parser.add_argument("--select", action="store_true",
+                        help="instead: selected attention, forward and gradient, on the "
+                             "paper's layer, a small group and a long sequence (causal), "
+                             "against the float32 matrix-multiply rate of the same run and a "
+                             "PyTorch implementation")
+    parser.add_argument("--select-case", action="append", choices=list(SELECT_CASES),
+                        help="with --select: only this case (repeatable)")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: the per-call time of the torch functions on a tiny "
                              "problem against the NumPy API and an empty custom op "

@@ -1,0 +1,75 @@
+"""asv benchmarks of selected attention, forward and gradient, on ``python -m nsa_numba
+bench --select``'s cases (the paper's layer, a small group, a long sequence; causal).
+
+``time_`` methods time one call with its outputs given; ``track_`` figures (the % of
+the float32 matrix-multiply rate measured in the same run, and the speed-up over the
+PyTorch implementation) come from one measurement per case in ``setup_cache``: ratios
+are what to track on a shared machine, whose absolute rates drift with its load.
+"""
+
+import numpy as np
+
+from nsa_numba import nsa_select_attention, nsa_select_attention_grad
+from nsa_numba.bench import attention, cases
+
+PARAMS = [list(cases.SELECT_CASES), ["bf16", "fp16"]]
+PARAM_NAMES = ["case", "dtype"]
+
+
+class SelectedAttention:
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 600
+
+    def setup(self, case, dtype):
+        lengths, N1, N2, D, Dv, block, count = cases.SELECT_CASES[case]
+        q, k, v, topk, scale, ends = cases.select_problem(lengths, N1, N2, D, Dv, block,
+                                                          count, dtype)
+        self.args = (q, k, v, topk, scale, N1, block, count)
+        self.kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends)
+        self.out = nsa_select_attention(*self.args, **self.kw)     # compiles outside timing
+        self.grad = np.ones_like(self.out[0])
+        self.given = [np.empty_like(a) for a in (q, k, v)]
+        self.time_backward(case, dtype)
+
+    def time_forward(self, case, dtype):
+        nsa_select_attention(*self.args, attention_out=self.out[0], softmax_max=self.out[1],
+                             softmax_sum=self.out[2], **self.kw)
+
+    def time_backward(self, case, dtype):
+        q, k, v, topk, *rest = self.args
+        nsa_select_attention_grad(self.grad, q, k, v, *self.out, topk, *rest, dq=self.given[0],
+                                  dk=self.given[1], dv=self.given[2], **self.kw)
+
+
+class SelectedAttentionRates:
+    """% of the float32 matrix-multiply rate and speed-up over PyTorch, per case."""
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 3600
+
+    def setup_cache(self):
+        try:
+            import torch  # noqa: F401
+            use_torch = True
+        except ImportError:
+            use_torch = False
+        import numba
+        rate, _ = attention.matmul_rate(numba.get_num_threads())
+        return {(case, dtype): attention.run_select_case(case, dtype, 3, rate, use_torch)
+                for case in PARAMS[0] for dtype in PARAMS[1]}
+
+    def track_forward_pct_of_matmul(self, results, case, dtype):
+        return results[case, dtype].get("forward_pct", float("nan"))
+
+    def track_backward_pct_of_matmul(self, results, case, dtype):
+        return results[case, dtype].get("backward_pct", float("nan"))
+
+    def track_forward_x_torch(self, results, case, dtype):
+        return results[case, dtype].get("forward_speedup", float("nan"))
+
+    def track_backward_x_torch(self, results, case, dtype):
+        return results[case, dtype].get("backward_speedup", float("nan"))
+
+    track_forward_pct_of_matmul.unit = track_backward_pct_of_matmul.unit = "%"
+    track_forward_x_torch.unit = track_backward_x_torch.unit = "x"

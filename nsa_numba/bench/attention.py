@@ -1,0 +1,144 @@
+"""``bench --select``: selected attention, forward and gradient, against the machine's
+float32 matrix-multiply rate measured in the same run and a PyTorch implementation of
+the same semantics.
+
+FLOPs count the keys a query actually attends to (``cases.visible_keys``: whole
+blocks before its own, and its own block up to its position), times 2 per multiply-
+add: the forward's two products (scores over D, the values' weighted sum over Dv),
+``2 G (D + Dv)`` per visible key and KV head; the gradient's five (scores again, dP,
+dq, dk, dv), ``2 G (3 D + 2 Dv)``."""
+
+import os
+import time
+
+import numpy as np
+
+from .. import api
+from .cases import SELECT_CASES, select_problem, visible_keys
+from .harness import round_times
+
+#: the square product the matrix-multiply rate is taken from
+MATMUL_N = 3072
+
+
+def matmul_rate(threads, repeat=3):
+    """(GFLOP/s, by whom): the best float32 square product of NumPy's and PyTorch's at
+    ``threads`` threads (NumPy's BLAS only when ``threads`` is every core: its thread
+    count is fixed when it loads)."""
+    n = MATMUL_N
+    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+    b = a.T.copy()
+    best = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if threads == cores:
+        best.append((min(round_times([lambda: a @ b], repeat)[0]), "NumPy"))
+    try:
+        import torch
+        torch.set_num_threads(threads)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        best.append((min(round_times([lambda: ta @ tb], repeat)[0]), "PyTorch"))
+    except ImportError:
+        pass
+    if not best:
+        return None, None
+    seconds, who = min(best)
+    return 2 * n ** 3 / seconds / 1e9, who
+
+
+def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
+    """(forward s, forward + backward s) of selected attention written in PyTorch over
+    chunks of ``chunk`` tokens: gather the selected blocks, matmul, mask, softmax in
+    float32, matmul; autograd for the gradient, each chunk's backward right after its
+    forward (a whole-sequence graph would hold every chunk's gathered keys)."""
+    import torch
+    tq, tk, tv = (torch.from_numpy(a.astype(np.float32)) for a in (q, k, v))
+    topk = torch.from_numpy(topk.astype(np.int64))
+    T, N1, D = tq.shape
+    N2, count = topk.shape[1], topk.shape[2]
+    G = N1 // N2
+    starts = np.concatenate(([0], ends[:-1]))
+    seq = np.repeat(np.arange(len(ends)), np.diff(np.concatenate(([0], ends))))
+    kv0 = torch.from_numpy(starts[seq])                      # each token's first key row
+    pos = torch.arange(T) - kv0
+    lanes = torch.arange(block)
+    heads = torch.arange(N2)[None, :, None]
+
+    def chunk_out(a, b, qq, kk, vv):
+        rows = (kv0[a:b, None, None, None] + topk[a:b, :, :, None] * block + lanes)
+        rows = rows.reshape(b - a, N2, count * block)
+        ks, vs = kk[rows, heads], vv[rows, heads]            # [C, N2, K, D]
+        s = torch.einsum("cjgd,cjkd->cjgk", qq[a:b].view(b - a, N2, G, D), ks) * scale
+        key = (topk[a:b, :, :, None] * block + lanes).reshape(b - a, N2, 1, -1)
+        s = s.masked_fill(key > pos[a:b, None, None, None], float(np.finfo(np.float32).min))
+        return torch.einsum("cjgk,cjke->cjge", s.softmax(-1), vs)
+
+    def forward():
+        with torch.no_grad():
+            for a in range(0, T, chunk):
+                chunk_out(a, min(T, a + chunk), tq, tk, tv)
+
+    def both():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (tq, tk, tv))
+        for a in range(0, T, chunk):
+            chunk_out(a, min(T, a + chunk), qq, kk, vv).square().sum().backward()
+
+    t0 = time.perf_counter()
+    forward()
+    t1 = time.perf_counter()
+    both()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def run_select_case(name, dtype, repeat, rate, use_torch):
+    """One ``SELECT_CASES`` case: medians of ``repeat`` rounds of the forward and the
+    gradient (outputs given: the kernels' time, not the allocator's)."""
+    lengths, N1, N2, D, Dv, block, count = SELECT_CASES[name]
+    q, k, v, topk, scale, ends = select_problem(lengths, N1, N2, D, Dv, block, count, dtype)
+    kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends)
+    out = api.nsa_select_attention(q, k, v, topk, scale, N1, block, count, **kw)
+    grad = np.random.default_rng(1).standard_normal(out[0].shape).astype(q.dtype)
+    given = [np.empty_like(a) for a in (q, k, v)]
+    outs = [np.empty_like(a) for a in out]
+
+    def forward():
+        api.nsa_select_attention(q, k, v, topk, scale, N1, block, count, attention_out=outs[0],
+                                 softmax_max=outs[1], softmax_sum=outs[2], **kw)
+
+    def backward():
+        api.nsa_select_attention_grad(grad, q, k, v, *out, topk, scale, N1, block, count,
+                                      dq=given[0], dk=given[1], dv=given[2], **kw)
+
+    t_fwd, t_bwd = (float(np.median(t)) for t in round_times([forward, backward], repeat))
+    G = N1 // N2
+    keys = visible_keys(topk, lengths, block)
+    flops = (2 * keys * G * (D + Dv), 2 * keys * G * (3 * D + 2 * Dv))
+    result = dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D, Dv=Dv,
+                  block=block, count=count, forward_s=t_fwd, backward_s=t_bwd,
+                  forward_gflops=flops[0] / t_fwd / 1e9, backward_gflops=flops[1] / t_bwd / 1e9)
+    if rate:
+        result["forward_pct"] = 100 * result["forward_gflops"] / rate
+        result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    if use_torch:
+        ref_fwd, ref_both = torch_select(q, k, v, topk, scale, block, np.asarray(ends))
+        result["torch_forward_s"] = ref_fwd
+        result["torch_backward_s"] = ref_both - ref_fwd
+        result["forward_speedup"] = ref_fwd / t_fwd
+        result["backward_speedup"] = (ref_both - ref_fwd) / t_bwd
+    return result
+
+
+def format_select(results):
+    """The ``--select`` table: time, GFLOP/s, % of the matmul rate, speed-up over
+    PyTorch, forward and gradient."""
+    head = (f"{'case':<16}{'dtype':<6}{'fwd ms':>9}{'GFLOP/s':>9}{'% mm':>6}{'x torch':>9}"
+            f"{'bwd ms':>10}{'GFLOP/s':>9}{'% mm':>6}{'x torch':>9}")
+    lines = [head]
+    for r in results:
+        def part(kind):
+            pct = f"{r[kind + '_pct']:6.0f}" if kind + "_pct" in r else f"{'-':>6}"
+            speed = (f"{r[kind + '_speedup']:9.1f}" if kind + "_speedup" in r
+                     else f"{'-':>9}")
+            return (f"{r[kind + '_s'] * 1e3:{10 if kind == 'backward' else 9}.1f}"
+                    f"{r[kind + '_gflops']:9.1f}{pct}{speed}")
+        lines.append(f"{r['case']:<16}{r['dtype']:<6}{part('forward')}{part('backward')}")
+    return "\n".join(lines)
