@@ -36,14 +36,14 @@ from numba.extending import overload
 from ._halfprec import narrow, widen
 from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
 from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
-from ._lanes import ldiv, lstore, lsub, lsum, lzeros
+from ._lanes import ldiv, lload_wide, lstore, lsub, lsum, lzeros
 
 # The compile cache is keyed on this file's text only. These digests tie it to the
 # helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
     "_jit.py": "5e2d2922a8cf1971",
-    "_lanes.py": "66e99db5315e6063",
+    "_lanes.py": "93e3afd3b27dbf2a",
 }
 
 #: the score a masked key gets (float32's lowest finite value, as the NPU writes)
@@ -87,7 +87,8 @@ def _mm64(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
     for k in range(nk):
         p = rows[k] + e
         check_lanes(b, p, 64)
-        b0, b1, b2, b3 = lload(b, p), lload(b, p + 16), lload(b, p + 32), lload(b, p + 48)
+        b0, b1, b2, b3 = lload_wide(b, p), lload_wide(b, p + 16), lload_wide(b, p + 32), \
+            lload_wide(b, p + 48)
         i = wb + k * sk
         w0, w1, w2, w3 = w[i], w[i + sm], w[i + 2 * sm], w[i + 3 * sm]
         a00, a01, a02, a03 = lfma(a00, w0, b0), lfma(a01, w0, b1), lfma(a02, w0, b2), \
@@ -123,7 +124,7 @@ def _mm16(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
     for k in range(nk):
         p = rows[k] + e
         check_lanes(b, p)
-        v = lload(b, p)
+        v = lload_wide(b, p)
         i = wb + k * sk
         a0, a1 = lfma(a0, w[i], v), lfma(a1, w[i + sm], v)
         a2, a3 = lfma(a2, w[i + 2 * sm], v), lfma(a3, w[i + 3 * sm], v)
@@ -137,7 +138,7 @@ def _mm_scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
             o = ob + m * so + e
             acc = out[o] if add else out.dtype.type(0)
             for k in range(nk):
-                acc = fma(w[wb + m * sm + k * sk], b[rows[k] + e], acc)
+                acc = fma(w[wb + m * sm + k * sk], widen(b[rows[k] + e]), acc)
             out[o] = acc
 
 
@@ -287,13 +288,13 @@ def _stage_block(k, v, row0, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
     Dv = v.shape[2]
     for r in range(l):
         for d in range(D):
-            x = widen(k[row0 + r, j, d])
+            x = k[row0 + r, j, d]
             if kt.size:
                 kt[base_k * lp + d * lp + r] = x
             if krow.size:
                 krow[base_k * l + r * D + d] = x
         for e in range(Dv):
-            x = widen(v[row0 + r, j, e])
+            x = v[row0 + r, j, e]
             if vrow.size:
                 vrow[base_v * l + r * Dv + e] = x
             if vt.size:
@@ -554,6 +555,18 @@ def select_owners(topk, q_starts, blk_starts, blocks, offsets, entries):
                 fill[u] += 1
 
 
+#: (token, slot) pairs an owner takes at a time: enough query heads (``PAIR_ROWS``
+#: rows) that its dk and dv sums stay in registers over several pairs
+PAIR_ROWS = 16
+
+
+@jit
+def owner_batch(G):
+    """Pairs an owner batches: ``PAIR_ROWS`` rows of query heads (groups rounded up
+    to 4), at least one pair."""
+    return max(1, PAIR_ROWS // ((G + 3) & ~3))
+
+
 @jit
 def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
                 offsets, entries, kt, vt, dk, dv, f, rows, G, l, lp, scale, causal):
@@ -563,52 +576,70 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
     G4 = (G + 3) & ~3
     l4 = (l + 3) & ~3
     lds = lp + KEY_ALIGN
-    qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
+    batch = owner_batch(G)
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, batch * G4, D, Dv, lds)
     dkb = rest[:l4 * D]
     dvb = rest[l4 * D:l4 * (D + Dv)]
     dkb[:] = 0
     dvb[:] = 0
+    n = 0                   # pairs in the batch; pair p's heads are rows p*G4 .. p*G4 + G4
     for e in range(offsets[u], offsets[u + 1]):
         t, i = divmod(entries[e], count)
         b, pos = _sequence(q_starts, t)
         diag = pos // l
         idx = topk[t, j, i]
+        o = n * G4
         if causal and idx > diag:
             # masked whole: P = exp(MASKED - max) / sum, zero unless the whole row is
             # masked (then 1 / K, and dv gets dO / K); dS = 0
             weight = False
-            for g in range(G):
-                h = j * G + g
-                p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
-                for r in range(l):
-                    s[g * lds + r] = p
+            for g in range(G4):
+                p = s.dtype.type(0)
+                if g < G:
+                    h = j * G + g
+                    p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
+                for r in range(l4):
+                    s[(o + g) * lds + r] = p
+                    dp[(o + g) * lds + r] = 0
                 weight = weight or p != 0
             if not weight:
                 continue
-            _widen_heads(grad, t, j * G, G, G4, Dv, dos)
-            for g in range(G):
-                rows[g] = g * Dv
-            for r0 in range(0, l4, 4):
-                _mm(s, r0, 1, lds, G, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
-            continue
-        _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
-        keep = pos % l + 1 if causal and idx == diag else l
-        _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, rows, s, dp, 0, lds,
-                  G, G4, stats, scale, keep, l)
-        for g in range(G):
-            rows[g] = g * Dv
-        for r0 in range(0, l4, 4):
-            _mm(s, r0, 1, lds, G, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
-        for g in range(G):
-            rows[g] = g * D
-        for r0 in range(0, l4, 4):
-            _mm(dp, r0, 1, lds, G, rows, qs, 0, D, dkb, r0 * D, D, True)
+            _widen_heads(grad, t, j * G, G, G4, Dv, dos[o * Dv:])
+            qs[o * D:(o + G4) * D] = 0
+        else:
+            _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs[o * D:], dos[o * Dv:],
+                       stats[3 * o:])
+            keep = pos % l + 1 if causal and idx == diag else l
+            _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp,
+                      rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale, keep, l)
+        n += 1
+        if n == batch:
+            _owner_sums(s, dp, qs, dos, n * G4, lds, l4, D, Dv, rows, dkb, dvb)
+            n = 0
+    if n:
+        _owner_sums(s, dp, qs, dos, n * G4, lds, l4, D, Dv, rows, dkb, dvb)
     row0 = block_row[gb]
     for r in range(l):
         for d in range(D):
             dk[row0 + r, j, d] = narrow(dkb[r * D + d], dk)
         for e in range(Dv):
             dv[row0 + r, j, e] = narrow(dvb[r * Dv + e], dv)
+
+
+@jit
+def _owner_sums(s, dp, qs, dos, heads, lds, l4, D, Dv, rows, dkb, dvb):
+    """A batch's terms added to the owner's sums, four keys at a time, over its query
+    heads in order (pairs in entry order, heads in order within a pair: the order one
+    pair at a time gives): ``dvb[r] += sum P[h, r] dO[h]``, ``dkb[r] += sum
+    (scale dS)[h, r] q[h]`` (heads past G are zero rows)."""
+    for h in range(heads):
+        rows[h] = h * Dv
+    for r0 in range(0, l4, 4):
+        _mm(s, r0, 1, lds, heads, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
+    for h in range(heads):
+        rows[h] = h * D
+    for r0 in range(0, l4, 4):
+        _mm(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True)
 
 
 @jit_parallel

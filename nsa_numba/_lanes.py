@@ -118,6 +118,33 @@ def lload(typingctx, arr, i):
 
 
 @intrinsic
+def lload_wide(typingctx, arr, i):
+    """``arr[i:i + 16]`` widened to float32 lanes, ``arr`` 1-D float32, or 16-bit
+    storage: bfloat16 as int16 (the top half of a float32) or float16 as uint16 (LLVM's
+    ``fpext``). Exact: the lanes hold the elements' values."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)
+            and arr.dtype in (types.float32, types.int16, types.uint16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        array = context.make_array(aryty)(context, builder, args[0])
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [index],
+                                       wraparound=False)
+        if aryty.dtype == types.float32:
+            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        i16 = ir.VectorType(ir.IntType(16), LANES)
+        bits = builder.load(builder.bitcast(ptr, i16.as_pointer()), align=2)
+        if aryty.dtype == types.uint16:
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)),
+                                 _VEC)
+        wide = builder.shl(builder.zext(bits, _IVEC), ir.Constant(_IVEC, [16] * LANES))
+        return builder.bitcast(wide, _VEC)
+    return lanes(arr, i), codegen
+
+
+@intrinsic
 def lstore(typingctx, arr, i, value):
     if not (_is_f32_vector_array(arr, i) and value == lanes):
         return None

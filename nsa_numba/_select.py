@@ -132,19 +132,22 @@ class SelectPlan:
         staged = self.blocks * self.N2
         lds = c * l + lp
         slots = scratch_slots()
-        index = c + max(D, Dv, c * l, self.G)
+        rows = _attention.PAIR_ROWS if self.op == "select_grad" else 0
+        index = c + max(D, Dv, c * l, self.G, rows)
         acc = self.accumulator
+        st = STORAGE[kind_of(self.dtype)]       # staged blocks keep the input's bits
         if self.op == "select":
             floats = G4 * (D + lds + Dv)
-            return [("kt", staged * D * lp, acc), ("vrow", staged * l * Dv, acc),
+            return [("kt", staged * D * lp, st), ("vrow", staged * l * Dv, st),
                     ("scratch", slots * _round16(floats), acc),
                     ("index", slots * _round16(index), np.dtype(np.int64))]
         dq_floats = G4 * (D + Dv) + 2 * G4 * lds + G4 * D + 3 * G4
-        owner_floats = (G4 * (D + Dv) + 2 * G4 * (lp + _attention.KEY_ALIGN)
-                        + l4 * (D + Dv) + 3 * G4)
+        R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch
+        owner_floats = (R * (D + Dv) + 2 * R * (lp + _attention.KEY_ALIGN)
+                        + l4 * (D + Dv) + 3 * R)
         floats = max(dq_floats, owner_floats)
-        return [("kt", staged * D * lp, acc), ("krow", staged * l * D, acc),
-                ("vt", staged * Dv * lp, acc),
+        return [("kt", staged * D * lp, st), ("krow", staged * l * D, st),
+                ("vt", staged * Dv * lp, st),
                 ("scratch", slots * _round16(floats), acc),
                 ("index", slots * _round16(index), np.dtype(np.int64)),
                 ("offsets", staged + 1, np.dtype(np.int64)),
@@ -515,7 +518,7 @@ def run_select(plan, workspace=None, threads=None):
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
     acc = plan.accumulator
     scale = acc.type(plan.scale)
-    empty = np.zeros(0, acc)
+    empty = np.zeros(0, STORAGE[kind_of(plan.dtype)])
     st = plan.storage
     if plan.op == "select":
         _launch(_attention.select_stage, useful, 1, st("key"), st("value"), plan.block_row,
