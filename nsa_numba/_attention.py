@@ -2,12 +2,12 @@
 
 Planned by ``_select``, which also documents the operator. Here the arithmetic:
 
-* **staging** (:func:`select_stage`): each block of ``l'`` keys of each KV head, in
-  the accumulator dtype, in the layouts the products read: keys transposed
-  (``[D, Lp]``, ``Lp`` = ``l'`` rounded up to 16, zero padded), for the scores; values
-  as rows (``[l', Dv]``), for the forward's weighted sum; and for the backward the
-  keys as rows and the values transposed. A block is staged once per call however many
-  queries select it.
+* **staging** (:func:`select_stage`): each block of ``l'`` keys of each KV head, as
+  the input stores it (16 bits for half precision; the tile widens as it loads), in
+  the layouts the products read: keys transposed (``[D, Lp]``, ``Lp`` = ``l'`` rounded
+  up to 16, zero padded), for the scores; values as rows (``[l', Dv]``), for the
+  forward's weighted sum; and for the backward the keys as rows and the values
+  transposed. A block is staged once per call however many queries select it.
 * **forward** (:func:`select_forward`), one unit per query token and KV head: the
   scores of the group's G heads over every selected block (``_mm``, 4 heads by 64
   keys at a time), scaled and masked, the softmax statistics, then the values'

@@ -27,8 +27,8 @@ sequence's keys) before anything is allocated or written. Status 161001 for a
 required array that is None, 561002 for the NPU's tiling limits (strict mode),
 161002 for everything else.
 
-Workspace: the staged blocks (``_attention.select_stage``) in the accumulator
-dtype, one float scratch row and one int64 index row per thread, and for the
+Workspace: the staged blocks (``_attention.select_stage``) in the input's storage
+dtype, one accumulator scratch row and one int64 index row per thread, and for the
 gradient the owners' inverted index; each region starts on a WORKSPACE_ALIGN-byte
 boundary.
 """
@@ -512,37 +512,53 @@ TOKEN_CHUNK = 4
 
 def run_select(plan, workspace=None, threads=None):
     """Launch a planned call (the pipeline's ``launch`` for both operators)."""
+    for _, step in select_steps(plan, workspace, threads):
+        step()
+
+
+def select_steps(plan, workspace=None, threads=None):
+    """A planned call's launches in order, as ``(name, function of no arguments)``:
+    the forward's "stage" and "forward"; the gradient's "stage", "dq", "index" (the
+    owners') and "dk dv" (``bench --select --split`` times them one by one)."""
     if plan.units == 0 and plan.op == "select":
-        return
+        return []
     w = plan.carve(workspace)
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
-    acc = plan.accumulator
-    scale = acc.type(plan.scale)
+    scale = plan.accumulator.type(plan.scale)
     empty = np.zeros(0, STORAGE[kind_of(plan.dtype)])
     st = plan.storage
+    staged = (w["kt"], empty, w["vrow"], empty) if plan.op == "select" else \
+        (w["kt"], w["krow"], empty, w["vt"])
+    steps = [("stage", lambda: _launch(_attention.select_stage, useful, 1, st("key"),
+                                       st("value"), plan.block_row, plan.block, plan.padded,
+                                       *staged))]
     if plan.op == "select":
-        _launch(_attention.select_stage, useful, 1, st("key"), st("value"), plan.block_row,
-                plan.block, plan.padded, w["kt"], empty, w["vrow"], empty)
-        _launch(_attention.select_forward, useful, TOKEN_CHUNK, st("query"), plan.topk,
-                plan.q_starts, plan.blk_starts, w["kt"], w["vrow"], st("attention_out"),
-                plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
-                w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)
-        return
-    _launch(_attention.select_stage, useful, 1, st("key"), st("value"), plan.block_row,
-            plan.block, plan.padded, w["kt"], w["krow"], empty, w["vt"])
+        steps.append(("forward", lambda: _launch(
+            _attention.select_forward, useful, TOKEN_CHUNK, st("query"), plan.topk,
+            plan.q_starts, plan.blk_starts, w["kt"], w["vrow"], st("attention_out"),
+            plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
+            w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)))
+        return steps
     common = (st("query"), st("grad"), st("attention_out"), plan.arrays["softmax_max"],
               plan.arrays["softmax_sum"], plan.topk, plan.q_starts, plan.blk_starts)
     if plan.units:
-        _launch(_attention.select_grad_dq, useful, TOKEN_CHUNK, *common, w["kt"], w["krow"],
-                w["vt"], st("dq"), w["scratch"], w["index"], plan.G, plan.block,
-                plan.padded, scale, plan.causal)
-    _attention.select_owners(plan.topk, plan.q_starts, plan.blk_starts, plan.blocks,
-                             w["offsets"], w["entries"])
-    # the threads take the owners with the most entries first (ties by index)
-    w["order"][:] = np.argsort(-np.diff(w["offsets"]), kind="stable")
-    _launch(_attention.select_grad_dkdv, useful, 1, *common, plan.block_row, plan.tails,
-            w["offsets"], w["entries"], w["order"], w["kt"], w["vt"], st("dk"), st("dv"),
-            w["scratch"], w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)
+        steps.append(("dq", lambda: _launch(
+            _attention.select_grad_dq, useful, TOKEN_CHUNK, *common, w["kt"], w["krow"],
+            w["vt"], st("dq"), w["scratch"], w["index"], plan.G, plan.block, plan.padded,
+            scale, plan.causal)))
+
+    def index():
+        _attention.select_owners(plan.topk, plan.q_starts, plan.blk_starts, plan.blocks,
+                                 w["offsets"], w["entries"])
+        # the threads take the owners with the most entries first (ties by index)
+        w["order"][:] = np.argsort(-np.diff(w["offsets"]), kind="stable")
+
+    steps.append(("index", index))
+    steps.append(("dk dv", lambda: _launch(
+        _attention.select_grad_dkdv, useful, 1, *common, plan.block_row, plan.tails,
+        w["offsets"], w["entries"], w["order"], w["kt"], w["vt"], st("dk"), st("dv"),
+        w["scratch"], w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)))
+    return steps
 
 
 def _launch(kernel, threads, chunk, *args):

@@ -134,3 +134,25 @@ def test_phase_two_rules():
     assert aclnnNsaSelectedAttention(np.empty(size, np.uint8), size, executor) \
         == ACLNN_ERR_PARAM_INVALID
     assert "not repeatable" in aclGetRecentErrMsg()
+
+
+def test_workspace_holds_no_gathered_keys():
+    # the paper's layer: blocks staged once (in the input's 16 bits), never per query
+    from nsa_numba import _pipeline
+    from nsa_numba._operators import SELECT, SELECT_GRAD
+    from nsa_numba._select import select_rules
+    T, N1, N2, D, Dv, l, c = 4096, 64, 4, 192, 128, 64, 16
+    q = np.zeros((T, N1, D), ml_dtypes.bfloat16)
+    k = np.zeros((T, N2, D), ml_dtypes.bfloat16)
+    v = np.zeros((T, N2, Dv), ml_dtypes.bfloat16)
+    topk = np.zeros((T, N2, c), np.int32)
+    common = (topk, 0.1, N1, l, c, np.ones(1), [2048, 4096], [2048, 4096])
+    fwd = _pipeline.plan(SELECT, select_rules("f"), (q, k, v, *common, None, None, None))
+    out = np.zeros((T, N1, Dv), ml_dtypes.bfloat16)
+    stats = np.zeros((T, N1, 8), np.float32)
+    grad = _pipeline.plan(SELECT_GRAD, select_rules("g"),
+                          (out, q, k, v, out, stats, stats, *common, None, None, None))
+    gathered = T * c * l * D * 2           # one copy of the selected keys per query
+    staged = k.nbytes + v.nbytes            # every key and value once
+    assert fwd.workspace_bytes < staged + (8 << 20) < gathered // 50
+    assert grad.workspace_bytes < 2 * staged + T * N2 * c * 8 + (8 << 20)

@@ -282,7 +282,13 @@ def test_attention_benchmarks_run_once(monkeypatch):
     use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
     if use_torch:
         pytest.importorskip("torch")
-    result = attention.run_select_case("tiny", "fp16", 2, 100.0, use_torch)
+    result = attention.run_select_case("tiny", "fp16", 2, 100.0, use_torch, split=True)
+    assert list(result["steps"]) == ["select stage", "select forward", "select_grad stage",
+                                     "select_grad dq", "select_grad index",
+                                     "select_grad dk dv"]
+    assert all(step["s"] > 0 for step in result["steps"].values())
+    assert "gflops" in result["steps"]["select_grad dq"]
+    assert "select_grad dq" in attention.format_steps([result], 100.0)
     keys = cases.visible_keys(cases.select_problem(*TINY_SELECT, "fp16")[3], (64, 32), 16)
     assert result["forward_gflops"] == pytest.approx(2 * keys * 2 * 320 / result["forward_s"]
                                                      / 1e9)

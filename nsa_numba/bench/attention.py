@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from .. import api
+from .. import _pipeline, _select, api
+from .._operators import SELECT, SELECT_GRAD
 from .cases import SELECT_CASES, select_problem, visible_keys
 from .harness import round_times
 
@@ -89,9 +90,11 @@ def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
     return t1 - t0, time.perf_counter() - t1
 
 
-def run_select_case(name, dtype, repeat, rate, use_torch):
+def run_select_case(name, dtype, repeat, rate, use_torch, split=False):
     """One ``SELECT_CASES`` case: medians of ``repeat`` rounds of the forward and the
-    gradient (outputs given: the kernels' time, not the allocator's)."""
+    gradient (outputs given: the kernels' time, not the allocator's); with ``split``
+    also each launch of the two calls alone (``_select.select_steps``), with the
+    GFLOP/s of the three that compute."""
     lengths, N1, N2, D, Dv, block, count = SELECT_CASES[name]
     q, k, v, topk, scale, ends = select_problem(lengths, N1, N2, D, Dv, block, count, dtype)
     kw = dict(atten_mask=np.ones(1), actual_seq_qlen=ends, actual_seq_kvlen=ends)
@@ -118,6 +121,21 @@ def run_select_case(name, dtype, repeat, rate, use_torch):
     if rate:
         result["forward_pct"] = 100 * result["forward_gflops"] / rate
         result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    if split:
+        args = (topk, scale, N1, block, count, kw["atten_mask"], ends, ends)
+        plans = (_pipeline.plan(SELECT, _select.select_rules("bench"),
+                                (q, k, v, *args, *outs)),
+                 _pipeline.plan(SELECT_GRAD, _select.select_rules("bench"),
+                                (grad, q, k, v, *out, *args, *given)))
+        steps = [(f"{p.op} {name}", fn) for p in plans for name, fn in _select.select_steps(p)]
+        times = round_times([fn for _, fn in steps], repeat)
+        work = {"select forward": flops[0], "select_grad dq": 2 * keys * G * (2 * D + Dv),
+                "select_grad dk dv": 2 * keys * G * (2 * D + 2 * Dv)}
+        result["steps"] = {
+            name: dict(s=float(np.median(t)),
+                       **({"gflops": work[name] / float(np.median(t)) / 1e9} if name in work
+                          else {}))
+            for (name, _), t in zip(steps, times)}
     if use_torch:
         ref_fwd, ref_both = torch_select(q, k, v, topk, scale, block, np.asarray(ends))
         result["torch_forward_s"] = ref_fwd
@@ -125,6 +143,19 @@ def run_select_case(name, dtype, repeat, rate, use_torch):
         result["forward_speedup"] = ref_fwd / t_fwd
         result["backward_speedup"] = (ref_both - ref_fwd) / t_bwd
     return result
+
+
+def format_steps(results, rate):
+    """``--split``'s table: each launch's median time, and the GFLOP/s (and % of the
+    matmul rate) of those that compute."""
+    lines = [f"{'case':<16}{'dtype':<6}{'launch':<20}{'ms':>9}{'GFLOP/s':>9}{'% mm':>6}"]
+    for r in results:
+        for name, step in r.get("steps", {}).items():
+            gf = step.get("gflops")
+            lines.append(f"{r['case']:<16}{r['dtype']:<6}{name:<20}{step['s'] * 1e3:9.1f}"
+                         + (f"{gf:9.1f}" + (f"{100 * gf / rate:6.0f}" if rate else "")
+                            if gf else ""))
+    return "\n".join(lines)
 
 
 def format_select(results):

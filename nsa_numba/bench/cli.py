@@ -171,14 +171,14 @@ def main_infer(args, threads, use_torch):
 
 
 def main_select(args, threads, use_torch):
-    from .attention import format_select, matmul_rate, run_select_case
+    from .attention import format_select, format_steps, matmul_rate, run_select_case
     rate, who = matmul_rate(threads)
     names = args.select_case or list(SELECT_CASES)
     cases = [(name, dt) for name in names for dt in args.dtype]
     results = []
     for i, (name, dt) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
-        results.append(run_select_case(name, dt, args.repeat, rate, use_torch))
+        results.append(run_select_case(name, dt, args.repeat, rate, use_torch, args.split))
     print(f"nsa_numba bench --select: {threads} thread(s); medians of {args.repeat} rounds; "
           + (f"float32 matrix-multiply rate {rate:.0f} GFLOP/s ({who}, {threads} thread(s), "
              f"same run)" if rate else "no matrix-multiply rate (neither BLAS ran)"))
@@ -186,6 +186,11 @@ def main_select(args, threads, use_torch):
     print("(FLOPs: 2 per multiply-add over the keys each query sees; % mm: of the rate "
           "above; x torch: the PyTorch implementation's time over this one's"
           + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
+    if args.split:
+        print(format_steps(results, rate))
+        print("(each launch alone, planned beforehand: the gradient's dq and dk dv passes "
+              "both recompute the scores and dP, so their FLOPs add up to more than the "
+              "call's)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
