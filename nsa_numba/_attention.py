@@ -200,6 +200,7 @@ def _row_softmax_typed(s, o, n):
         return scalar
 
     def lanes(s, o, n):
+        check_lanes(s, o, n)
         full = n - n % 16
         top = MASKED
         if full:
@@ -238,6 +239,7 @@ def _scale_mask_typed(s, o, n, scale, keep):
         return scalar
 
     def lanes(s, o, n, scale, keep):
+        check_lanes(s, o, n)
         full = n - n % 16
         for i in range(0, full, 16):
             lstore(s, o + i, lmul(lload(s, o + i), scale))
@@ -266,6 +268,8 @@ def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
         return scalar
 
     def lanes(s, dp, o, n, top, total, delta, scale, keep):
+        check_lanes(s, o, n)
+        check_lanes(dp, o, n)
         full = n - n % 16
         for i in range(0, full, 16):
             p = ldiv(lexp(lsub(lload(s, o + i), top)), total)

@@ -132,8 +132,9 @@ class SelectPlan:
         staged = self.blocks * self.N2
         lds = c * l + lp
         slots = scratch_slots()
-        rows = _attention.PAIR_ROWS if self.op == "select_grad" else 0
-        index = c + max(D, Dv, c * l, self.G, rows)
+        R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
+        # an index row: the visible slots, then the row offsets of one product
+        index = c + max(D, Dv, c * l, R if self.op == "select_grad" else G4)
         acc = self.accumulator
         st = STORAGE[kind_of(self.dtype)]       # staged blocks keep the input's bits
         if self.op == "select":
@@ -142,7 +143,6 @@ class SelectPlan:
                     ("scratch", slots * _round16(floats), acc),
                     ("index", slots * _round16(index), np.dtype(np.int64))]
         dq_floats = G4 * (D + Dv) + 2 * G4 * lds + G4 * D + 3 * G4
-        R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch
         owner_floats = (R * (D + Dv) + 2 * R * (lp + _attention.KEY_ALIGN)
                         + l4 * (D + Dv) + 3 * R)
         floats = max(dq_floats, owner_floats)

@@ -81,7 +81,8 @@ def test_matches_reference(dtype, causal):
     ([33, 0, 41], 6, 3, 7, 9, 5, 4),
     ([96], 4, 4, 20, 100, 32, 2),
     ([16], 2, 1, 16, 16, 16, 1),
-], ids=["paper-dims", "G5", "empty-seq", "G1", "one-block"])
+    ([12, 6], 17, 1, 3, 2, 2, 3),
+], ids=["paper-dims", "G5", "empty-seq", "G1", "one-block", "G17-tiny-heads"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
 def test_shapes_match_reference(shape, causal):
     lengths, N1, N2, D, Dv, block, count = shape
