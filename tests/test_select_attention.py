@@ -231,3 +231,22 @@ def test_the_paper_heads_in_strict_mode(dtype):
     out, smax, ssum = nsa_numba.nsa_select_attention(q, k, v, topk, scale, 4, 16, 2, **kw)
     rout, _, _ = ref.select_attention(q, k, v, topk, scale, 4, 16, 2, True, ends, ends)
     _close(out, rout, TOLERANCE[q.dtype.name], "attention_out")
+
+
+def test_the_npu_test_suites_case():
+    # torch_npu's own test of the operator (op-plugin test_npu_nsa_select_attention.py):
+    # one query token over 1088 keys, 115 heads (G = 1), l' = 64, c = 16, float16, no
+    # mask; the lists are 0..15 for a token in the first c * l' positions
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((1, 115, 192)).astype(np.float16)
+    k = rng.standard_normal((1088, 115, 192)).astype(np.float16)
+    v = rng.standard_normal((1088, 115, 128)).astype(np.float16)
+    topk = np.broadcast_to(np.arange(16, dtype=np.int32), (1, 115, 16))
+    out, smax, ssum = nsa_numba.nsa_select_attention(q, k, v, topk, 1.0, 115, 64, 16,
+                                                     actual_seq_qlen=[1],
+                                                     actual_seq_kvlen=[1088])
+    rout, rmax, rsum = ref.select_attention(q, k, v, topk, 1.0, 115, 64, 16, False, [1],
+                                            [1088])
+    _close(out, rout, TOLERANCE["float16"], "attention_out")
+    _close(smax[..., 0], rmax, STAT_TOLERANCE["float16"], "softmax_max")
+    _close(ssum[..., 0], rsum, STAT_TOLERANCE["float16"], "softmax_sum")
