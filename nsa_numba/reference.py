@@ -180,6 +180,111 @@ def select_attention_grad(grad, query, key, value, topk_indices, scale, head_num
     return dq, dk, dv
 
 
+def importance_weights(compressed, block, stride, select_block):
+    """``[blocks, compressed]`` float64: the weight compressed token ``k`` gives block
+    ``b'`` of raw keys in compressed attention's importance score (the NPU's rule,
+    docs/reference.md): tokens ``m (b' + 1) - i`` for ``i = 0 .. m + n - 2`` with weight
+    ``min(i + 1, n, m + n - 1 - i)`` (``m = l' / d``, ``n = l / d``; tokens outside
+    ``[0, compressed)`` left out). ``blocks = ceil(compressed / m)``."""
+    m, n = select_block // stride, block // stride
+    blocks = -(-compressed // m)
+    weights = np.zeros((blocks, compressed))
+    for b in range(blocks):
+        for i in range(m + n - 1):
+            token = m * (b + 1) - i
+            if 0 <= token < compressed:
+                weights[b, token] += min(i + 1, n, m + n - 1 - i)
+    return weights
+
+
+def compress_attention(query, key, value, scale, head_num, block, stride, select_block,
+                       count, topk_mask=None, atten_mask=None, actual_seq_qlen=None,
+                       actual_cmp_seq_kvlen=None, actual_sel_seq_kvlen=None):
+    """Compressed attention with top-k block selection (``npu_nsa_compress_attention``,
+    layout TND) in float64: ``(out [T1, N1, Dv], topk [T1, N2, count] int32, max [T1,
+    N1], sum [T1, N1], score [T1, N2, blocks])``.
+
+    Query token t (position s of sequence b), head h, attends over the compressed keys
+    of its sequence, KV head j = h // G; a key k with ``atten_mask[s, k]`` (the mask's
+    top-left corner for each sequence) scores ``MASKED_SCORE``. The importance of raw
+    key block b' for KV head j sums the group's attention weights through
+    ``importance_weights``; ``topk_mask[s, b']`` forces the block (+inf). The indices
+    are the stable descending order (forced blocks first, ascending; ties to the lower
+    block) cut at ``count``; ``score`` is returned for tests of ties, with ``-inf``
+    past a sequence's ``blocks`` (``actual_sel_seq_kvlen``; by default ceil(Tc / m))."""
+    q = np.asarray(query, np.float64)
+    k = np.asarray(key, np.float64)
+    v = np.asarray(value, np.float64)
+    T1, N1, _ = q.shape
+    N2 = k.shape[1]
+    group = N1 // N2
+    m = select_block // stride
+    q_bounds = _sequence_bounds(T1, actual_seq_qlen)
+    kv_bounds = _sequence_bounds(k.shape[0], actual_cmp_seq_kvlen)
+    sel = [-(-(e - s) // m) for s, e in kv_bounds] if actual_sel_seq_kvlen is None else \
+        [e - s for s, e in _sequence_bounds(None, actual_sel_seq_kvlen)]
+    width = max(sel + [0])
+    out = np.zeros((T1, N1, v.shape[2]))
+    row_max = np.zeros((T1, N1))
+    row_sum = np.zeros((T1, N1))
+    score = np.full((T1, N2, width), -np.inf)
+    topk = np.zeros((T1, N2, count), np.int32)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_bounds, kv_bounds)):
+        weights = importance_weights(k1 - k0, block, stride, select_block)[:sel[b]]
+        for t in range(q0, q1):
+            s = t - q0
+            masked = np.zeros(k1 - k0, bool) if atten_mask is None else \
+                np.asarray(atten_mask)[s, :k1 - k0].astype(bool)
+            for j in range(N2):
+                total = np.zeros(sel[b])
+                for h in range(j * group, (j + 1) * group):
+                    scores = np.where(masked, MASKED_SCORE, scale * (k[k0:k1, j] @ q[t, h]))
+                    row_max[t, h] = scores.max()
+                    e = np.exp(scores - row_max[t, h])
+                    row_sum[t, h] = e.sum()
+                    p = e / row_sum[t, h]
+                    out[t, h] = p @ v[k0:k1, j]
+                    total += weights @ p
+                if topk_mask is not None:
+                    forced = np.asarray(topk_mask)[s, :sel[b]].astype(bool)
+                    total = np.where(forced, np.inf, total)
+                score[t, j, :sel[b]] = total
+                topk[t, j] = np.argsort(-score[t, j], kind="stable")[:count]
+    return out, topk, row_max, row_sum, score
+
+
+def attention_grad(grad, query, key, value, scale, atten_mask=None, actual_seq_qlen=None,
+                   actual_seq_kvlen=None):
+    """The exact gradient of attention over each sequence's keys (compressed attention's
+    backward, which the NPU runs as its generic fusion-attention gradient), masked by
+    replacement as ``compress_attention`` masks: ``(dq, dk, dv)`` in float64. A masked
+    score is a constant: no gradient to q or k; a fully masked row's uniform weights
+    give each of its keys ``dv += grad / K``."""
+    q = np.asarray(query, np.float64)
+    k = np.asarray(key, np.float64)
+    v = np.asarray(value, np.float64)
+    g = np.asarray(grad, np.float64)
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    q_bounds = _sequence_bounds(q.shape[0], actual_seq_qlen)
+    kv_bounds = _sequence_bounds(k.shape[0], actual_seq_kvlen)
+    for (q0, q1), (k0, k1) in zip(q_bounds, kv_bounds):
+        for t in range(q0, q1):
+            masked = np.zeros(k1 - k0, bool) if atten_mask is None else \
+                np.asarray(atten_mask)[t - q0, :k1 - k0].astype(bool)
+            for h in range(q.shape[1]):
+                j = h // group
+                scores = np.where(masked, MASKED_SCORE, scale * (k[k0:k1, j] @ q[t, h]))
+                e = np.exp(scores - scores.max())
+                p = e / e.sum()
+                dp = v[k0:k1, j] @ g[t, h]
+                ds = np.where(masked, 0.0, p * (dp - p @ dp))
+                dq[t, h] = scale * (ds @ k[k0:k1, j])
+                dk[k0:k1, j] += scale * ds[:, None] * q[t, h]
+                dv[k0:k1, j] += p[:, None] * g[t, h]
+    return dq, dk, dv
+
+
 def abs_terms_forward(x, w, block, stride, actual_seq_len=None, actual_seq_len_type=0):
     """sum_j |w x| per output element: scales the float32 accumulation error bound."""
     return compress(np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64)),

@@ -1,6 +1,7 @@
-"""The float64 reference of selected attention (``reference.select_attention`` and
-its gradient), checked against an independent dense formulation, finite
-differences, and the NPU's rules for masked, fully masked and repeated blocks."""
+"""The float64 references of selected attention (``reference.select_attention`` and
+its gradient) and of compressed attention (``reference.compress_attention``,
+``attention_grad``), checked against independent formulations, finite differences,
+and the NPU's rules for masked, fully masked, repeated and forced blocks and ties."""
 
 import numpy as np
 import pytest
@@ -152,3 +153,122 @@ def test_keys_no_query_selects_get_no_gradient():
                                           Q_ENDS, KV_ENDS)
     assert not dk[12:16].any() and not dv[12:16].any()
     assert dk[:12].any() and dv[:12].any()
+
+
+# -- compressed attention ---------------------------------------------------------------
+
+#: l = 32, d = 16, l' = 64 in compressed tokens: m = 4 per select block, n = 2 per window
+CMP = dict(block=32, stride=16, select_block=64)
+
+
+def test_importance_weights_follow_the_npu_offset_and_triangle():
+    w = ref.importance_weights(20, **CMP)
+    assert w.shape == (5, 20)
+    # block b' reads compressed tokens 4b' .. 4b' + 4 with weights 1, 2, 2, 2, 1
+    np.testing.assert_array_equal(w[1, 4:9], [1, 2, 2, 2, 1])
+    assert w[1].sum() == 8 and not w[1, :4].any() and not w[1, 9:].any()
+    assert w[4].sum() == 1 + 2 + 2 + 2          # token 20 is past the end
+    # l == d: block b' takes tokens m b' + 1 .. m b' + m, weight 1 each
+    w1 = ref.importance_weights(12, 16, 16, 64)
+    np.testing.assert_array_equal(np.flatnonzero(w1[0]), [1, 2, 3, 4])
+    assert (w1[0, 1:5] == 1).all()
+
+
+def _scores_by_loops(p, compressed, m, n, blocks):
+    """The importance of each block from one row of weights, summed term by term as
+    the NPU's own test writes it (an independent spelling of importance_weights)."""
+    out = np.zeros(blocks)
+    for i in range(blocks, 0, -1):
+        for j in range(m + n - 1):
+            times = min(j + 1 if j < (m + n - 1) / 2 else m + n - 1 - j, n)
+            if 0 <= m * i - j < compressed:
+                out[i - 1] += p[m * i - j] * times
+    return out
+
+
+def compress_problem(seed=0, N1=4, N2=2, D=8, Dv=6, lengths=(13, 22)):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((sum(lengths), N1, D))
+    k = rng.standard_normal((sum(lengths), N2, D))
+    v = rng.standard_normal((sum(lengths), N2, Dv))
+    ends = np.cumsum(lengths).tolist()
+    return q, k, v, ends
+
+
+def test_compress_attention_scores_and_order():
+    q, k, v, ends = compress_problem()
+    mask = np.triu(np.ones((22, 22), bool), k=1)          # causal over compressed tokens
+    out, topk, row_max, row_sum, score = ref.compress_attention(
+        q, k, v, SCALE, 4, count=3, atten_mask=mask, actual_seq_qlen=ends,
+        actual_cmp_seq_kvlen=ends, **CMP)
+    t, j = 13 + 9, 1                                       # sequence 1, position 9
+    total = np.zeros(6)
+    for h in (2, 3):
+        s = SCALE * k[13:, j] @ q[t, h]
+        s[10:] = ref.MASKED_SCORE
+        p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        np.testing.assert_allclose(out[t, h], p @ v[13:, j], rtol=1e-12)
+        assert row_max[t, h] == pytest.approx(s.max(), rel=1e-14)
+        assert row_sum[t, h] == pytest.approx(np.exp(s - s.max()).sum(), rel=1e-14)
+        total += _scores_by_loops(p, 22, 4, 2, 6)
+    np.testing.assert_allclose(score[t, j], total, rtol=1e-12)
+    assert list(topk[t, j]) == list(np.argsort(-total, kind="stable")[:3])
+    assert (score[:13, :, 4:] == -np.inf).all()           # sequence 0 has 4 blocks
+
+
+def test_compress_attention_forced_blocks_and_ties():
+    # q = 0: every weight equal, so blocks with the same weights tie; forced blocks come
+    # first in ascending order, then the descending score, ties to the lower block
+    q, k, v, ends = compress_problem(seed=1, lengths=(24,))
+    q[:] = 0
+    forced = np.zeros((24, 6), bool)
+    forced[:, 4] = forced[:, 2] = True
+    _, topk, _, _, score = ref.compress_attention(q, k, v, SCALE, 4, count=5,
+                                                  topk_mask=forced, **CMP)
+    tied = score[0, 0, [0, 1, 3]]                          # blocks with all 8 weights
+    assert (tied == tied[0]).all() and score[0, 0, 5] < tied[0]     # block 5: 7
+    assert list(topk[0, 0]) == [2, 4, 0, 1, 3]
+
+
+def test_a_fully_masked_compressed_row_is_uniform_and_still_scores():
+    q, k, v, ends = compress_problem(seed=2, lengths=(12,))
+    mask = np.ones((12, 12), bool)
+    mask[1:, 0] = False                                    # row 0 masks every key
+    out, topk, row_max, row_sum, score = ref.compress_attention(
+        q, k, v, SCALE, 4, count=2, atten_mask=mask, **CMP)
+    np.testing.assert_allclose(out[0, 0], v[:, 0].mean(axis=0), rtol=1e-12)
+    assert row_max[0, 0] == ref.MASKED_SCORE and row_sum[0, 0] == 12
+    uniform = np.full(12, 1 / 12)
+    np.testing.assert_allclose(score[0, 0], 2 * _scores_by_loops(uniform, 12, 4, 2, 3),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_gradient_matches_finite_differences(masked):
+    q, k, v, ends = compress_problem(seed=3)
+    mask = np.triu(np.ones((22, 22), bool), k=1) if masked else None
+    if masked:
+        mask[0, 0] = True                                  # a fully masked first row
+    weights = np.random.default_rng(4).standard_normal((35, 4, 6))
+
+    def loss(q, k, v):
+        out = ref.compress_attention(q, k, v, SCALE, 4, count=1, atten_mask=mask,
+                                     actual_seq_qlen=ends, actual_cmp_seq_kvlen=ends,
+                                     **CMP)[0]
+        return float((out * weights).sum())
+
+    dq, dk, dv = ref.attention_grad(weights, q, k, v, SCALE, mask, ends, ends)
+    rng = np.random.default_rng(5)
+    eps = 1e-6
+    for name, analytic in (("q", dq), ("k", dk), ("v", dv)):
+        arrays = {"q": q, "k": k, "v": v}
+        target = arrays[name]
+        for _ in range(12):
+            index = tuple(rng.integers(0, n) for n in target.shape)
+            plus, minus = target.copy(), target.copy()
+            plus[index] += eps
+            minus[index] -= eps
+            numeric = (loss(**{**arrays, name: plus}) - loss(**{**arrays, name: minus})) / (2 * eps)
+            assert analytic[index] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, index)
+    if masked:
+        assert not dq[0].any()                             # the fully masked row
