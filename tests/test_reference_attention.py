@@ -129,20 +129,23 @@ def test_gradient_matches_finite_differences(causal, repeat):
     def loss(q, k, v):
         return float((call(q, k, v, topk, causal)[0] * weights).sum())
 
-    dq, dk, dv = ref.select_attention_grad(weights, q, k, v, topk, SCALE, 4, BLOCK, COUNT,
-                                           causal, Q_ENDS, KV_ENDS)
-    rng = np.random.default_rng(7)
-    eps = 1e-6
-    for name, analytic in (("q", dq), ("k", dk), ("v", dv)):
-        arrays = {"q": q, "k": k, "v": v}
-        target = arrays[name]
-        for _ in range(12):
+    grads = ref.select_attention_grad(weights, q, k, v, topk, SCALE, 4, BLOCK, COUNT,
+                                      causal, Q_ENDS, KV_ENDS)
+    check_finite_differences(loss, dict(q=q, k=k, v=v), grads, seed=7)
+
+
+def check_finite_differences(loss, arrays, analytic, seed, probes=12, eps=1e-6):
+    """Central differences of ``loss(**arrays)`` at ``probes`` random elements of each
+    array against the analytic gradients (in ``arrays``' order)."""
+    rng = np.random.default_rng(seed)
+    for (name, target), grad in zip(arrays.items(), analytic):
+        for _ in range(probes):
             index = tuple(rng.integers(0, n) for n in target.shape)
             plus, minus = target.copy(), target.copy()
             plus[index] += eps
             minus[index] -= eps
             numeric = (loss(**{**arrays, name: plus}) - loss(**{**arrays, name: minus})) / (2 * eps)
-            assert analytic[index] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, index)
+            assert grad[index] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, index)
 
 
 def test_keys_no_query_selects_get_no_gradient():
@@ -257,18 +260,7 @@ def test_attention_gradient_matches_finite_differences(masked):
                                      **CMP)[0]
         return float((out * weights).sum())
 
-    dq, dk, dv = ref.attention_grad(weights, q, k, v, SCALE, mask, ends, ends)
-    rng = np.random.default_rng(5)
-    eps = 1e-6
-    for name, analytic in (("q", dq), ("k", dk), ("v", dv)):
-        arrays = {"q": q, "k": k, "v": v}
-        target = arrays[name]
-        for _ in range(12):
-            index = tuple(rng.integers(0, n) for n in target.shape)
-            plus, minus = target.copy(), target.copy()
-            plus[index] += eps
-            minus[index] -= eps
-            numeric = (loss(**{**arrays, name: plus}) - loss(**{**arrays, name: minus})) / (2 * eps)
-            assert analytic[index] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (name, index)
+    grads = ref.attention_grad(weights, q, k, v, SCALE, mask, ends, ends)
+    check_finite_differences(loss, dict(q=q, k=k, v=v), grads, seed=5)
     if masked:
-        assert not dq[0].any()                             # the fully masked row
+        assert not grads[0][0].any()                       # the fully masked row
