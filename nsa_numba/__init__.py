@@ -17,14 +17,15 @@ from ._errors import NsaError  # noqa: E402
 from ._firstrun import compile_messages  # noqa: E402
 from ._pool import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
-from .api import (nsa_compress, nsa_compress_grad, nsa_compress_infer,  # noqa: E402
-                  nsa_select_attention, nsa_select_attention_grad)
+from .api import (nsa_compress, nsa_compress_attention, nsa_compress_grad,  # noqa: E402
+                  nsa_compress_infer, nsa_select_attention, nsa_select_attention_grad)
 from ._warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
 
 _firstrun.install()
 
-__all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress", "nsa_compress_grad",
+__all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress",
+           "nsa_compress_attention", "nsa_compress_grad",
            "nsa_compress_infer", "nsa_select_attention", "nsa_select_attention_grad",
            "release_outputs", "threads", "warmup", "__version__"]

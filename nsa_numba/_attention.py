@@ -665,3 +665,115 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
         _owner_unit(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
                     block_row, offsets, entries, kt, vt, dk, dv, scratch[slot], index[slot],
                     G, l, lp, scale, causal)
+
+
+# -- compressed attention (forward, with the top-k blocks) ------------------------------
+
+@jit_parallel
+def cmp_stage(k, v, kv_starts, padded_starts, kt, vrow):
+    """Stage each sequence's compressed keys transposed (``kt``: per sequence b and KV
+    head j, ``[D, P_b]`` from ``(padded_starts[b] * N2 + j * P_b) * D``, ``P_b`` its
+    length rounded up to KEY_ALIGN, zero padded) and its values as rows (``vrow``: row
+    ``(kv_starts[b] * N2 + j * Tc_b + r) * Dv``), as stored."""
+    N2, D, Dv = k.shape[1], k.shape[2], v.shape[2]
+    for unit in prange((kv_starts.size - 1) * N2):
+        b, j = np.int64(unit) // N2, np.int64(unit) % N2
+        k0, n = kv_starts[b], kv_starts[b + 1] - kv_starts[b]
+        p = padded_starts[b + 1] - padded_starts[b]
+        base = (padded_starts[b] * N2 + j * p) * D
+        for r in range(n):
+            for d in range(D):
+                kt[base + d * p + r] = k[k0 + r, j, d]
+            row = (k0 * N2 + j * n + r) * Dv
+            for e in range(Dv):
+                vrow[row + e] = v[k0 + r, j, e]
+        for d in range(D):
+            for r in range(n, p):
+                kt[base + d * p + r] = 0
+
+
+@jit
+def _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow, atten_mask,
+              topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m, n):
+    """One query token and KV head of compressed attention: the scores over the
+    sequence's compressed keys (masked where ``atten_mask`` is set, when it is not
+    empty), the softmax, the values' sum, and the importance of each block of raw keys
+    (the group's weights summed head by head, then through the NPU's window of
+    ``m + n - 1`` tokens), forced blocks first, then the largest, ties to the lower
+    block."""
+    N2, count = topk.shape[1], topk.shape[2]
+    D, Dv = q.shape[2], out.shape[2]
+    G4 = (G + 3) & ~3
+    b, pos = _sequence(q_starts, t)
+    k0 = kv_starts[b]
+    nk = kv_starts[b + 1] - k0
+    p = padded_starts[b + 1] - padded_starts[b]
+    sel = sel_starts[b + 1] - sel_starts[b]
+    qs = f[:G4 * D]
+    s = f[G4 * D:G4 * (D + lds)]
+    o = f[G4 * (D + lds):G4 * (D + lds + Dv)]
+    at = G4 * (D + lds + Dv)
+    psum = f[at:at + lds]
+    score = f[at + lds:at + 2 * lds]
+    taken = rows[max(D, 64):]
+    _widen_heads(q, t, j * G, G, G4, D, qs)
+    base = (padded_starts[b] * N2 + j * p) * D
+    for d in range(D):
+        rows[d] = base + d * p
+    for e0 in range(0, p, 64):            # a chunk of keys, all head tiles, in cache
+        for g in range(0, G4, 4):
+            _mm(qs, g * D, D, 1, D, rows, kt, e0, min(e0 + 64, p), s, g * lds, lds, False)
+    masked = atten_mask.shape[0] > 0
+    for g in range(G):
+        _scale_mask(s, g * lds, nk, scale, nk)
+        if masked:
+            for k in range(nk):
+                if atten_mask[pos, k]:
+                    s[g * lds + k] = MASKED
+        top, total = _row_softmax(s, g * lds, nk)
+        for i in range(smax.shape[2]):
+            smax[t, j * G + g, i] = top
+            ssum[t, j * G + g, i] = total
+    vbase = (k0 * N2 + j * nk) * Dv
+    for c0 in range(0, nk, 64):
+        c1 = min(c0 + 64, nk)
+        for r in range(c0, c1):
+            rows[r - c0] = vbase + r * Dv
+        for g in range(0, G4, 4):
+            _mm(s, g * lds + c0, lds, 1, c1 - c0, rows, vrow, 0, Dv, o, g * Dv, Dv, c0 > 0)
+    for g in range(G):
+        total = ssum[t, j * G + g, 0]
+        for e in range(Dv):
+            out[t, j * G + g, e] = narrow(o[g * Dv + e] / total, out)
+        for k in range(nk):
+            x = s[g * lds + k] / total
+            psum[k] = x if g == 0 else psum[k] + x
+    forced = topk_mask.shape[0] > 0
+    for c in range(sel):
+        acc = score.dtype.type(0)
+        for i in range(m + n - 1):
+            k = m * (c + 1) - i
+            if 0 <= k < nk:
+                acc = fma(score.dtype.type(min(i + 1, n, m + n - 1 - i)), psum[k], acc)
+        score[c] = np.inf if forced and topk_mask[pos, c] else acc
+        taken[c] = 0
+    for r in range(count):
+        best = -1
+        for c in range(sel):
+            if taken[c] == 0 and (best < 0 or score[c] > score[best]):
+                best = c
+        taken[best] = 1
+        topk[t, j, r] = best
+
+
+@jit_parallel
+def cmp_forward(q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow, atten_mask,
+                topk_mask, out, topk, smax, ssum, scratch, index, G, lds, scale, m, n):
+    """Compressed attention with top-k selection, one unit per query token and KV head."""
+    T1, N2 = topk.shape[0], topk.shape[1]
+    for unit in prange(T1 * N2):
+        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+        slot = get_thread_id()
+        _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow,
+                  atten_mask, topk_mask, out, topk, smax, ssum, scratch[slot], index[slot],
+                  G, lds, scale, m, n)

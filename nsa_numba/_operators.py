@@ -11,6 +11,7 @@ from . import _dispatch
 from ._infer import plan_infer
 from ._pipeline import Operator, register
 from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
+from ._compress_attention import plan_compress_attention, run_compress_attention
 from ._select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
@@ -53,3 +54,15 @@ SELECT = register(Operator(
 SELECT_GRAD = register(Operator(
     name="select_grad", planner=plan_select_grad, launch=run_select,
     results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))
+
+#: nsa_compress_attention (aclnnNsaCompressAttention), the forward with its top-k
+#: blocks: args (query, key, value, scale_value, head_num, compress_block_size,
+#: compress_stride, select_block_size, select_block_count, topk_mask, atten_mask,
+#: actual_seq_qlen, actual_cmp_seq_kvlen, actual_sel_seq_kvlen, attention_out,
+#: topk_indices, softmax_max, softmax_sum) -> (attention_out, topk_indices, softmax_max,
+#: softmax_sum)
+COMPRESS_ATTENTION = register(Operator(
+    name="compress_attention", planner=plan_compress_attention,
+    launch=run_compress_attention,
+    results=lambda plan: (plan.arrays["attention_out"], plan.arrays["topk"],
+                          plan.arrays["softmax_max"], plan.arrays["softmax_sum"])))

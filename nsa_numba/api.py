@@ -3,7 +3,9 @@
 
 from . import _pipeline
 from ._infer import infer_rules
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
+from ._compress_attention import compress_attention_rules
+from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER, SELECT,
+                         SELECT_GRAD)
 from ._plan import Rules
 from ._select import select_rules
 
@@ -230,3 +232,44 @@ def nsa_select_attention_grad(grad, query, key, value, attention_out, softmax_ma
                            topk_indices, scale_value, head_num, select_block_size,
                            select_block_count, atten_mask, actual_seq_qlen,
                            actual_seq_kvlen, dq, dk, dv))
+
+
+_CMP = "nsa_compress_attention"
+_CMP_RULES = {strict: compress_attention_rules(_CMP, strict=strict) for strict in (False, True)}
+
+
+def nsa_compress_attention(query, key, value, scale_value, head_num, compress_block_size,
+                           compress_stride, select_block_size, select_block_count, *,
+                           topk_mask=None, atten_mask=None, actual_seq_qlen=None,
+                           actual_cmp_seq_kvlen=None, actual_sel_seq_kvlen=None,
+                           attention_out=None, topk_indices=None, softmax_max=None,
+                           softmax_sum=None, strict=True):
+    """Compressed attention with top-k block selection (``aclnnNsaCompressAttention``),
+    layout TND: the forward.
+
+    Every query attends over its sequence's compressed keys and values (``key``,
+    ``value``: ``npu_nsa_compress``'s outputs ``[Tc, N2, D]``, ``[Tc, N2, Dv]``), masked
+    where ``atten_mask[s, k]`` is set (bool or uint8, at least ``[max Sq, max Tc]``, each
+    sequence using its top-left corner); the group's attention weights then score each
+    block of ``select_block_size`` raw keys through the NPU's window (docs/reference.md),
+    ``topk_mask[s, b']`` forces a block, and ``topk_indices[t, j]`` lists the
+    ``select_block_count`` chosen blocks: forced ones first (ascending), then the
+    highest scores, ties to the lower block.
+
+    ``actual_seq_qlen``, ``actual_cmp_seq_kvlen``, ``actual_sel_seq_kvlen``: prefix sums
+    without a leading 0, all three or none (one sequence); the block counts must be
+    ``ceil(Tc_b / (select_block_size / compress_stride))``.
+
+    Returns ``(attention_out [T1, N1, Dv], topk_indices [T1, N2, c] int32, softmax_max,
+    softmax_sum [T1, N1, 8])``, the statistics float32 (float64 for float64 inputs),
+    token-major. ``strict``: the NPU's limits (561002) or only what the maths needs.
+    Its gradient is not available yet.
+    """
+    rules = _CMP_RULES.get(strict) if type(strict) is bool else None
+    return _pipeline.call(COMPRESS_ATTENTION,
+                          rules or compress_attention_rules(_CMP, strict=strict),
+                          (query, key, value, scale_value, head_num, compress_block_size,
+                           compress_stride, select_block_size, select_block_count, topk_mask,
+                           atten_mask, actual_seq_qlen, actual_cmp_seq_kvlen,
+                           actual_sel_seq_kvlen, attention_out, topk_indices, softmax_max,
+                           softmax_sum))

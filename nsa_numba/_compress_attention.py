@@ -1,0 +1,300 @@
+"""Compressed attention with top-k block selection (``aclnnNsaCompressAttention``,
+torch_npu's ``npu_nsa_compress_attention``): rules, planner and launch of the forward.
+
+Query token ``t`` (position ``s`` of sequence ``b``), head ``h``, attends over the
+``Tc_b`` compressed keys and values of its sequence (``npu_nsa_compress``'s output),
+KV head ``j = h // G``; a key ``k`` with ``atten_mask[s, k]`` set (the mask's top-left
+corner for each sequence) scores -FLT_MAX. Then the importance of block ``b'`` of raw
+keys (``l'`` tokens, ``m = l' / d`` compressed tokens) for KV head ``j``::
+
+    score[b'] = sum over the group's heads g, sum_{i < m + n - 1} w_i P_g[m (b' + 1) - i]
+    w_i = min(i + 1, n, m + n - 1 - i),  n = l / d;   tokens outside [0, Tc_b) left out
+
+``topk_mask[s, b']`` forces a block; ``topk_indices[t, j]`` lists the forced blocks
+(ascending), then the highest scores, ties to the lower block, ``c`` in all, counted
+from the sequence's first block. Statistics ``[T1, N1, 8]`` token-major (the reading
+docs/reference.md adopts), as selected attention's. The whole row of a unit's
+weights lives in its thread's scratch only: nothing of size ``T1 x N1 x Tc`` is
+written.
+
+Status 161001 for a required array that is None, 561002 for the NPU's tiling limits
+(strict mode), 161002 for everything else.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _attention, _pool, _seqlens
+from ._errors import invalid, missing, tiling
+from ._plan import ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, kind_of, \
+    scratch_slots
+from ._select import (STAT_LANES, _array, _int, _no_overlap, _output, _same_dtype, _scale,
+                      _starts, _stat_dtype, _launch, _region_bytes, _round16)
+
+PY_NAMES = {
+    "query": "query", "key": "key", "value": "value", "scale": "scale_value",
+    "head_num": "head_num", "block": "compress_block_size", "stride": "compress_stride",
+    "select_block": "select_block_size", "count": "select_block_count",
+    "topk_mask": "topk_mask", "atten_mask": "atten_mask", "seq_q": "actual_seq_qlen",
+    "seq_kv": "actual_cmp_seq_kvlen", "seq_sel": "actual_sel_seq_kvlen",
+    "attention_out": "attention_out", "topk": "topk_indices", "softmax_max": "softmax_max",
+    "softmax_sum": "softmax_sum", "strict": "strict",
+}
+
+#: the NPU's documented limits (strict mode)
+MAX_BLOCK = 128
+MAX_STRIDE = 64
+MAX_SELECT_BLOCK = 128
+MAX_COUNT = 32
+MAX_COMPRESSED = 14000
+GROUP_DIVIDES = 128
+
+
+def compress_attention_rules(op, **options):
+    """The :class:`~nsa_numba._plan.Rules` of an entry point of compressed attention."""
+    options.setdefault("names", dict(PY_NAMES))
+    return Rules(op, **options)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressAttentionPlan:
+    """A checked compressed-attention forward, ready to launch."""
+    dtype: np.dtype
+    T1: int
+    N2: int
+    G: int
+    D: int
+    Dv: int
+    count: int
+    m: int                          # compressed tokens per block of raw keys
+    n: int                          # compressed tokens per window
+    scale: float
+    q_starts: np.ndarray            # [B + 1]
+    kv_starts: np.ndarray           # [B + 1] compressed tokens
+    padded_starts: np.ndarray       # [B + 1] the same, each length rounded up to 16
+    sel_starts: np.ndarray          # [B + 1] blocks of raw keys
+    atten_mask: np.ndarray          # uint8 [rows, cols], or [0, 0] for none
+    topk_mask: np.ndarray           # the same
+    arrays: dict
+    pending: dict = field(default_factory=dict)
+    op: str = "compress_attention"
+
+    def allocate(self):
+        for role, (shape, dtype) in self.pending.items():
+            if self.arrays[role] is None:
+                self.arrays[role] = _pool.empty(shape, dtype)
+
+    def summary(self):
+        return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
+                f"Dv={self.Dv} count={self.count}")
+
+    @property
+    def accumulator(self):
+        return ACCUMULATOR[kind_of(self.dtype)]
+
+    @property
+    def units(self):
+        return self.T1 * self.N2
+
+    @property
+    def threads_useful(self):
+        return max(1, min(self.units, scratch_slots()))
+
+    @property
+    def row(self):
+        """Floats in one of a unit's score rows: the longest sequence's padded length,
+        and a vector's slack."""
+        lengths = np.diff(self.padded_starts)
+        return int(lengths.max(initial=0)) + _attention.KEY_ALIGN
+
+    def layout(self):
+        G4 = -(-self.G // 4) * 4
+        lds, D, Dv, N2 = self.row, self.D, self.Dv, self.N2
+        slots = scratch_slots()
+        st = STORAGE[kind_of(self.dtype)]
+        floats = G4 * (D + lds + Dv) + 2 * lds
+        index = max(D, 64) + lds
+        return [("kt", int(self.padded_starts[-1]) * N2 * D, st),
+                ("vrow", int(self.kv_starts[-1]) * N2 * Dv, st),
+                ("scratch", slots * _round16(floats), self.accumulator),
+                ("index", slots * _round16(index), np.dtype(np.int64))]
+
+    @property
+    def workspace_bytes(self):
+        used = sum(_region_bytes(n, dt) for _, n, dt in self.layout())
+        return used + WORKSPACE_ALIGN - 1 if used else 0
+
+    def carve(self, workspace):
+        if workspace is None:
+            workspace = np.empty(self.workspace_bytes, np.uint8)
+        at = -workspace.ctypes.data % WORKSPACE_ALIGN
+        regions = {}
+        for name, count, dtype in self.layout():
+            regions[name] = workspace[at:at + count * dtype.itemsize].view(dtype)
+            at += _region_bytes(count, dtype)
+        slots = scratch_slots()
+        regions["scratch"] = regions["scratch"].reshape(slots, -1)
+        regions["index"] = regions["index"].reshape(slots, -1)
+        return regions
+
+    def storage(self, role):
+        a = self.arrays[role]
+        kind = kind_of(a.dtype)
+        return a.view(STORAGE[kind]) if kind is not None else a
+
+
+def _mask(rules, key, mask, rows, cols, what):
+    """A mask as C-contiguous uint8 (no copy when it already is one), its shape at least
+    ``[rows, cols]``; an empty one for None."""
+    if mask is None:
+        return np.zeros((0, 0), np.uint8)
+    name, op = rules.names[key], rules.op
+    if not isinstance(mask, np.ndarray):
+        raise invalid(op, f"{name} must be None or a numpy.ndarray of bool or uint8, got "
+                          f"{type(mask).__name__}")
+    if mask.dtype not in (np.bool_, np.uint8):
+        raise invalid(op, f"{name} dtype must be bool or uint8, got {mask.dtype}")
+    if mask.ndim != 2 or mask.shape[0] < rows or mask.shape[1] < cols:
+        raise invalid(op, f"{name} must be 2-D and cover [{rows}, {cols}] ({what}), got "
+                          f"shape {mask.shape}")
+    return np.ascontiguousarray(mask).view(np.uint8)
+
+
+def _check_window(rules, block, stride, select_block, count):
+    op, names = rules.op, rules.names
+    for key, value in (("block", block), ("stride", stride), ("select_block", select_block),
+                       ("count", count)):
+        if value < 1:
+            raise invalid(op, f"{names[key]} must be >= 1, got {value}")
+    for key, value in (("block", block), ("select_block", select_block)):
+        if value % stride:
+            raise invalid(op, f"{names[key]} must be a multiple of {names['stride']} = "
+                              f"{stride} (whole compressed tokens), got {value}")
+    if not rules.strict:
+        return
+    for key, value, top in (("block", block, MAX_BLOCK), ("stride", stride, MAX_STRIDE),
+                            ("select_block", select_block, MAX_SELECT_BLOCK)):
+        if value % 16 or value > top:
+            raise tiling(op, f"{names[key]} must be a multiple of 16 and <= {top}, got "
+                             f"{value}")
+    if not stride <= block <= select_block:
+        raise tiling(op, f"{names['stride']} <= {names['block']} <= {names['select_block']} "
+                         f"must hold, got {stride}, {block}, {select_block}")
+    if count > MAX_COUNT:
+        raise tiling(op, f"{names['count']} must be <= {MAX_COUNT}, got {count}")
+
+
+def plan_compress_attention(rules, query, key, value, scale, head_num, block, stride,
+                            select_block, count, topk_mask, atten_mask, seq_q, seq_kv,
+                            seq_sel, attention_out, topk, softmax_max, softmax_sum):
+    """Check a compressed-attention forward and plan it; NsaError if invalid."""
+    op, names = rules.op, rules.names
+    for k, a in (("query", query), ("key", key), ("value", value)):
+        if a is None:
+            raise missing(op, names[k])
+    query = _array(rules, "query", query, "[T1, N1, D]")
+    key = _array(rules, "key", key, "[Tc, N2, D]")
+    value = _array(rules, "value", value, "[Tc, N2, Dv]")
+    dtype = query.dtype
+    _same_dtype(rules, "key", key, "query", dtype)
+    _same_dtype(rules, "value", value, "query", dtype)
+    scale = _scale(rules, scale)
+    head_num, block, stride = (_int(rules, k, v) for k, v in (
+        ("head_num", head_num), ("block", block), ("stride", stride)))
+    select_block, count = _int(rules, "select_block", select_block), _int(rules, "count", count)
+    T1, N1, D = query.shape
+    Tc, N2, Dk = key.shape
+    Dv = value.shape[2]
+    if head_num != N1:
+        raise invalid(op, f"{names['head_num']} must equal the query's head count "
+                          f"{names['query']}.shape[1] = {N1}, got {head_num}")
+    if Dk != D:
+        raise invalid(op, f"{names['key']} head dim must equal {names['query']}'s D = {D}, "
+                          f"got {names['key']} of shape {key.shape}")
+    if value.shape[:2] != (Tc, N2):
+        raise invalid(op, f"{names['value']} must have shape [Tc, N2, Dv] with Tc, N2 = "
+                          f"{Tc}, {N2} ({names['key']}'s), got {value.shape}")
+    if N2 < 1 or N1 % N2:
+        raise invalid(op, f"the query head count N1 = {N1} must be a multiple of the key "
+                          f"head count N2 = {N2} ({names['key']}.shape[1])")
+    _check_window(rules, block, stride, select_block, count)
+    G = N1 // N2
+    if rules.strict:
+        if G >= GROUP_DIVIDES or GROUP_DIVIDES % G:
+            raise tiling(op, f"the group N1 / N2 = {G} must divide {GROUP_DIVIDES} and be "
+                             f"smaller than it")
+        if Dv > D:
+            raise tiling(op, f"{names['value']} head dim Dv = {Dv} must be <= D = {D}")
+    given = [seq_q is None, seq_kv is None, seq_sel is None]
+    if any(given) and not all(given):
+        raise invalid(op, f"{names['seq_q']}, {names['seq_kv']} and {names['seq_sel']} go "
+                          f"together: give all three or none")
+    m, n = select_block // stride, block // stride
+    q_starts = _starts(rules, "seq_q", seq_q, T1)
+    kv_starts = _starts(rules, "seq_kv", seq_kv, Tc)
+    compressed = np.diff(kv_starts)
+    blocks = -(-compressed // m)
+    if seq_sel is None:
+        sel_starts = np.concatenate(([0], np.cumsum(blocks)))
+    else:                       # prefix sums whose total is theirs to say
+        ends = _seqlens.as_int_vector(op, names["seq_sel"], seq_sel)
+        sel_starts = _starts(rules, "seq_sel", ends, int(ends[-1]) if ends.size else 0)
+    if not q_starts.size == kv_starts.size == sel_starts.size:
+        raise invalid(op, f"{names['seq_q']}, {names['seq_kv']} and {names['seq_sel']} must "
+                          f"have one value per sequence each, got {q_starts.size - 1}, "
+                          f"{kv_starts.size - 1} and {sel_starts.size - 1}")
+    queries, sel = np.diff(q_starts), np.diff(sel_starts)
+    for b in range(queries.size):
+        if sel[b] != blocks[b]:
+            raise invalid(op, f"{names['seq_sel']}: sequence {b} has {compressed[b]} "
+                              f"compressed tokens, so ceil({compressed[b]} / {m}) = "
+                              f"{blocks[b]} blocks of {names['select_block']}, got {sel[b]}")
+        if queries[b] and count > sel[b]:
+            raise invalid(op, f"{names['count']} = {count} is more than the {sel[b]} blocks "
+                              f"sequence {b} has ({compressed[b]} compressed tokens)")
+        if rules.strict and compressed[b] > MAX_COMPRESSED:
+            raise tiling(op, f"sequence {b} has {compressed[b]} compressed tokens, more than "
+                             f"{MAX_COMPRESSED}")
+    most_q = int(queries.max(initial=0))
+    mask = _mask(rules, "atten_mask", atten_mask, most_q, int(compressed.max(initial=0)),
+                 "the longest query and compressed sequences")
+    forced = _mask(rules, "topk_mask", topk_mask, most_q, int(sel.max(initial=0)),
+                   "the longest query sequence and block count")
+    stat = _stat_dtype(dtype)
+    shapes = {"attention_out": ((T1, N1, Dv), dtype), "topk": ((T1, N2, count),
+                                                               np.dtype(np.int32)),
+              "softmax_max": ((T1, N1, STAT_LANES), stat),
+              "softmax_sum": ((T1, N1, STAT_LANES), stat)}
+    outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (
+        ("attention_out", attention_out), ("topk", topk), ("softmax_max", softmax_max),
+        ("softmax_sum", softmax_sum))}
+    inputs = {"query": query, "key": key, "value": value}
+    for k, a in (("atten_mask", atten_mask), ("topk_mask", topk_mask)):
+        if isinstance(a, np.ndarray):
+            inputs[k] = a
+    _no_overlap(rules, outputs, inputs)
+    padded = -(-compressed // _attention.KEY_ALIGN) * _attention.KEY_ALIGN
+    arrays = {"query": query, "key": key, "value": value, **outputs}
+    return CompressAttentionPlan(
+        dtype=dtype, T1=T1, N2=N2, G=G, D=D, Dv=Dv, count=count, m=m, n=n, scale=scale,
+        q_starts=q_starts, kv_starts=kv_starts,
+        padded_starts=np.concatenate(([0], np.cumsum(padded))).astype(np.int64),
+        sel_starts=sel_starts.astype(np.int64), atten_mask=mask, topk_mask=forced,
+        arrays=arrays, pending={k: shapes[k] for k, a in outputs.items() if a is None})
+
+
+def run_compress_attention(plan, workspace=None, threads=None):
+    """Launch a planned forward (the pipeline's ``launch``)."""
+    if plan.units == 0:
+        return
+    w = plan.carve(workspace)
+    useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
+    st = plan.storage
+    _launch(_attention.cmp_stage, useful, 1, st("key"), st("value"), plan.kv_starts,
+            plan.padded_starts, w["kt"], w["vrow"])
+    _launch(_attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
+            plan.padded_starts, plan.sel_starts, w["kt"], w["vrow"], plan.atten_mask,
+            plan.topk_mask, st("attention_out"), plan.arrays["topk"],
+            plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"], w["index"],
+            plan.G, plan.row, plan.accumulator.type(plan.scale), plan.m, plan.n)
