@@ -338,8 +338,10 @@ def test_the_entries_overlap_check_is_numpys_on_contiguous_arrays():
 # -- one pipeline for every operator --------------------------------------------------
 
 def test_every_operator_is_registered_once():
-    assert set(_pipeline.OPERATORS) == {"forward", "grad", "infer"}
+    assert set(_pipeline.OPERATORS) == {"forward", "grad", "infer", "select", "select_grad",
+                                        "compress_attention"}
     assert _pipeline.OPERATORS["infer"] is _operators.COMPRESS_INFER
+    assert _pipeline.OPERATORS["select_grad"] is _operators.SELECT_GRAD
     with pytest.raises(ValueError, match="already registered"):
         _pipeline.register(_operators.COMPRESS)
 
