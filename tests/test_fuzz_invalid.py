@@ -6,6 +6,7 @@ with the child's output.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -28,4 +29,5 @@ def test_invalid_calls_in_a_child_process():
                              f"{(err.stdout or b'')[-4000:]!r}") from None
     report = child.stdout[-6000:] + child.stderr[-2000:]
     assert child.returncode == 0, f"child exit status {child.returncode}:\n{report}"
-    assert " passed" in child.stdout and "failed" not in child.stdout, report
+    # (hypothesis' statistics may say "failed to satisfy assume()": not a failed test)
+    assert " passed" in child.stdout and not re.search(r"\d+ failed", child.stdout), report
