@@ -326,3 +326,52 @@ def check_select(p):
                                       p["count"], p["causal"], ends_q, ends_kv)
     for got, want, name in zip(grads, exact, ("dq", "dk", "dv")):
         _close(got, want, TOLERANCE[dtype.name], name)
+
+
+# -- compressed attention (forward) ------------------------------------------------------
+
+@st.composite
+def compress_attention_problems(draw):
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    N2, G = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    stride = draw(st.integers(1, 4))
+    n, m = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    B = draw(st.integers(1, 3))
+    compressed = [draw(st.integers(1, 30)) for _ in range(B)]
+    blocks = [-(-c // m) for c in compressed]
+    count = draw(st.integers(1, min(blocks)))
+    queries = [draw(st.integers(0, 20)) for _ in range(B)]
+    return dict(dtype=dtype, N2=N2, G=G, D=draw(st.integers(1, 40)),
+                Dv=draw(st.integers(1, 40)), stride=stride, block=n * stride,
+                select_block=m * stride, count=count, compressed=compressed,
+                blocks=blocks, queries=queries, masked=draw(st.booleans()),
+                forced=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 32 - 1)))
+
+
+@settings(max_examples=25)
+@given(compress_attention_problems())
+def test_generated_compressed_attention_matches_reference(p):
+    from test_compress_attention import STAT_TOLERANCE, TOLERANCE, _close
+    note(f"problem: {p}")
+    rng = np.random.default_rng(p["seed"])
+    N1, dtype = p["N2"] * p["G"], p["dtype"]
+    q = rng.standard_normal((sum(p["queries"]), N1, p["D"])).astype(dtype)
+    k = rng.standard_normal((sum(p["compressed"]), p["N2"], p["D"])).astype(dtype)
+    v = rng.standard_normal((sum(p["compressed"]), p["N2"], p["Dv"])).astype(dtype)
+    rows = max(p["queries"])
+    mask = rng.random((rows, max(p["compressed"]))) < 0.4 if p["masked"] else None
+    forced = rng.random((rows, max(p["blocks"]))) < 0.2 if p["forced"] else None
+    seqs = [np.cumsum(p[key]).tolist() for key in ("queries", "compressed", "blocks")]
+    args = (q, k, v, 0.3, N1, p["block"], p["stride"], p["select_block"], p["count"])
+    got = nsa_numba.nsa_compress_attention(*args, topk_mask=forced, atten_mask=mask,
+                                           actual_seq_qlen=seqs[0],
+                                           actual_cmp_seq_kvlen=seqs[1],
+                                           actual_sel_seq_kvlen=seqs[2], strict=False)
+    out, topk, smax, ssum = got
+    rout, rtopk, rmax, rsum, score = ref.compress_attention(*args, forced, mask, *seqs)
+    _close(out, rout, TOLERANCE[dtype.name], "attention_out")
+    _close(smax[..., 0], rmax, STAT_TOLERANCE[dtype.name], "softmax_max")
+    _close(ssum[..., 0], rsum, STAT_TOLERANCE[dtype.name], "softmax_sum")
+    for t, j, r in zip(*np.nonzero(topk != rtopk)):
+        ours, theirs = score[t, j, topk[t, j, r]], score[t, j, rtopk[t, j, r]]
+        assert abs(ours - theirs) <= 1e-5 * max(abs(theirs), 1.0), (t, j, r, ours, theirs)
