@@ -237,8 +237,8 @@ def _topk(rules, topk, shape):
         return topk
     if topk.size and (topk.min() < np.iinfo(np.int32).min
                       or topk.max() > np.iinfo(np.int32).max):
-        bad = topk.min() if topk.min() < 0 else topk.max()
-        raise invalid(op, f"{name} values must be block indices >= 0, got {int(bad)}")
+        bad = topk.min() if topk.min() < np.iinfo(np.int32).min else topk.max()
+        raise invalid(op, f"{name} values must be block indices (int32), got {int(bad)}")
     return np.ascontiguousarray(topk, dtype=np.int32)
 
 
