@@ -5,7 +5,8 @@ The same computation as Huawei CANN's ``aclnnNsaCompress``,
 ``aclnnNsaSelectedAttention`` / ``...Grad`` (torch_npu ``npu_nsa_compress`` /
 ``npu_nsa_compress_grad`` / ``npu_nsa_compress_infer`` /
 ``npu_nsa_select_attention`` / ``_grad``) for packed variable-length sequences in
-layout TND and paged KV caches.
+layout TND and paged KV caches; and the forward of ``aclnnNsaCompressAttention``
+(``nsa_compress_attention``).
 """
 
 from . import _threading
