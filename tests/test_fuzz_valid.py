@@ -273,7 +273,6 @@ def select_problems(draw):
                 given_ends=draw(st.booleans()) or len(q) > 1, seed=seed)
 
 
-@settings(max_examples=40)
 @given(select_problems())
 def test_generated_selected_attention_matches_reference(p):
     check_select(p)
@@ -348,7 +347,6 @@ def compress_attention_problems(draw):
                 forced=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 32 - 1)))
 
 
-@settings(max_examples=25)
 @given(compress_attention_problems())
 def test_generated_compressed_attention_matches_reference(p):
     from test_compress_attention import STAT_TOLERANCE, TOLERANCE, _close
