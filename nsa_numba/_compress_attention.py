@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _attention, _pool, _seqlens
-from ._errors import invalid, missing, tiling
-from ._plan import ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, kind_of, \
-    scratch_slots
-from ._select import (STAT_LANES, _array, _int, _no_overlap, _output, _same_dtype, _scale,
-                      _starts, _stat_dtype, _launch, _region_bytes, _round16)
+from . import _attention, _seqlens
+from ._errors import invalid, tiling
+from ._plan import STORAGE, Rules, kind_of, scratch_slots
+from ._select import (STAT_LANES, AttentionPlan, _int, _launch, _no_overlap, _output,
+                      _round16, _scale, _starts, _stat_dtype, check_heads)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "scale": "scale_value",
@@ -58,7 +57,7 @@ def compress_attention_rules(op, **options):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompressAttentionPlan:
+class CompressAttentionPlan(AttentionPlan):
     """A checked compressed-attention forward, ready to launch."""
     dtype: np.dtype
     T1: int
@@ -80,26 +79,9 @@ class CompressAttentionPlan:
     pending: dict = field(default_factory=dict)
     op: str = "compress_attention"
 
-    def allocate(self):
-        for role, (shape, dtype) in self.pending.items():
-            if self.arrays[role] is None:
-                self.arrays[role] = _pool.empty(shape, dtype)
-
     def summary(self):
         return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
                 f"Dv={self.Dv} count={self.count}")
-
-    @property
-    def accumulator(self):
-        return ACCUMULATOR[kind_of(self.dtype)]
-
-    @property
-    def units(self):
-        return self.T1 * self.N2
-
-    @property
-    def threads_useful(self):
-        return max(1, min(self.units, scratch_slots()))
 
     @property
     def row(self):
@@ -119,29 +101,6 @@ class CompressAttentionPlan:
                 ("vrow", int(self.kv_starts[-1]) * N2 * Dv, st),
                 ("scratch", slots * _round16(floats), self.accumulator),
                 ("index", slots * _round16(index), np.dtype(np.int64))]
-
-    @property
-    def workspace_bytes(self):
-        used = sum(_region_bytes(n, dt) for _, n, dt in self.layout())
-        return used + WORKSPACE_ALIGN - 1 if used else 0
-
-    def carve(self, workspace):
-        if workspace is None:
-            workspace = np.empty(self.workspace_bytes, np.uint8)
-        at = -workspace.ctypes.data % WORKSPACE_ALIGN
-        regions = {}
-        for name, count, dtype in self.layout():
-            regions[name] = workspace[at:at + count * dtype.itemsize].view(dtype)
-            at += _region_bytes(count, dtype)
-        slots = scratch_slots()
-        regions["scratch"] = regions["scratch"].reshape(slots, -1)
-        regions["index"] = regions["index"].reshape(slots, -1)
-        return regions
-
-    def storage(self, role):
-        a = self.arrays[role]
-        kind = kind_of(a.dtype)
-        return a.view(STORAGE[kind]) if kind is not None else a
 
 
 def _mask(rules, key, mask, rows, cols, what):
@@ -190,34 +149,14 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
                             seq_sel, attention_out, topk, softmax_max, softmax_sum):
     """Check a compressed-attention forward and plan it; NsaError if invalid."""
     op, names = rules.op, rules.names
-    for k, a in (("query", query), ("key", key), ("value", value)):
-        if a is None:
-            raise missing(op, names[k])
-    query = _array(rules, "query", query, "[T1, N1, D]")
-    key = _array(rules, "key", key, "[Tc, N2, D]")
-    value = _array(rules, "value", value, "[Tc, N2, Dv]")
+    query, key, value = check_heads(rules, query, key, value, head_num, "Tc")
     dtype = query.dtype
-    _same_dtype(rules, "key", key, "query", dtype)
-    _same_dtype(rules, "value", value, "query", dtype)
     scale = _scale(rules, scale)
-    head_num, block, stride = (_int(rules, k, v) for k, v in (
-        ("head_num", head_num), ("block", block), ("stride", stride)))
+    block, stride = _int(rules, "block", block), _int(rules, "stride", stride)
     select_block, count = _int(rules, "select_block", select_block), _int(rules, "count", count)
     T1, N1, D = query.shape
-    Tc, N2, Dk = key.shape
+    Tc, N2, _ = key.shape
     Dv = value.shape[2]
-    if head_num != N1:
-        raise invalid(op, f"{names['head_num']} must equal the query's head count "
-                          f"{names['query']}.shape[1] = {N1}, got {head_num}")
-    if Dk != D:
-        raise invalid(op, f"{names['key']} head dim must equal {names['query']}'s D = {D}, "
-                          f"got {names['key']} of shape {key.shape}")
-    if value.shape[:2] != (Tc, N2):
-        raise invalid(op, f"{names['value']} must have shape [Tc, N2, Dv] with Tc, N2 = "
-                          f"{Tc}, {N2} ({names['key']}'s), got {value.shape}")
-    if N2 < 1 or N1 % N2:
-        raise invalid(op, f"the query head count N1 = {N1} must be a multiple of the key "
-                          f"head count N2 = {N2} ({names['key']}.shape[1])")
     _check_window(rules, block, stride, select_block, count)
     G = N1 // N2
     if rules.strict:

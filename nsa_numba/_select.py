@@ -74,8 +74,59 @@ def select_rules(op, **options):
     return Rules(op, **options)
 
 
+class AttentionPlan:
+    """What an attention operator's plan shares (``SelectPlan``, the compressed
+    attention's plan): the dataclass fields ``op``, ``dtype``, ``T1``, ``N2``, ``G``,
+    ``arrays``, ``pending``, and a ``layout()`` of its workspace regions, from which the
+    rest follows."""
+
+    def allocate(self):
+        """Allocate the outputs the caller left (from the output pool)."""
+        for role, (shape, dtype) in self.pending.items():
+            if self.arrays[role] is None:
+                self.arrays[role] = _pool.empty(shape, dtype)
+
+    @property
+    def accumulator(self):
+        return ACCUMULATOR[kind_of(self.dtype)]
+
+    @property
+    def units(self):
+        return self.T1 * self.N2
+
+    @property
+    def threads_useful(self):
+        return max(1, min(self.units, scratch_slots()))
+
+    @property
+    def workspace_bytes(self):
+        used = sum(_region_bytes(n, dt) for _, n, dt in self.layout())
+        return used + WORKSPACE_ALIGN - 1 if used else 0
+
+    def carve(self, workspace):
+        """The regions of ``layout`` in a uint8 workspace (None: new memory), the per-thread
+        ``scratch`` and ``index`` as ``[slots, ...]``."""
+        if workspace is None:
+            workspace = np.empty(self.workspace_bytes, np.uint8)
+        at = -workspace.ctypes.data % WORKSPACE_ALIGN
+        regions = {}
+        for name, n, dtype in self.layout():
+            regions[name] = workspace[at:at + n * dtype.itemsize].view(dtype)
+            at += _region_bytes(n, dtype)
+        slots = scratch_slots()
+        regions["scratch"] = regions["scratch"].reshape(slots, -1)
+        regions["index"] = regions["index"].reshape(slots, -1)
+        return regions
+
+    def storage(self, role):
+        """``role``'s array as the kernels take it (half precision as integers)."""
+        a = self.arrays[role]
+        kind = kind_of(a.dtype)
+        return a.view(STORAGE[kind]) if kind is not None else a
+
+
 @dataclass(frozen=True, kw_only=True)
-class SelectPlan:
+class SelectPlan(AttentionPlan):
     """A checked selected-attention call (forward or gradient), ready to launch
     (``run_select``); what the pipeline reads of a plan (``_plan.Plan``)."""
     op: str                         # "select" or "select_grad"
@@ -98,31 +149,13 @@ class SelectPlan:
     arrays: dict
     pending: dict = field(default_factory=dict)     # role -> (shape, dtype)
 
-    def allocate(self):
-        """Allocate the outputs the caller left (from the output pool)."""
-        for role, (shape, dtype) in self.pending.items():
-            if self.arrays[role] is None:
-                self.arrays[role] = _pool.empty(shape, dtype)
-
     def summary(self):
         return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
                 f"Dv={self.Dv} block={self.block} count={self.count}")
 
     @property
-    def accumulator(self):
-        return ACCUMULATOR[kind_of(self.dtype)]
-
-    @property
     def blocks(self):
         return self.block_row.size
-
-    @property
-    def units(self):
-        return self.T1 * self.N2
-
-    @property
-    def threads_useful(self):
-        return max(1, min(self.units, scratch_slots()))
 
     def layout(self):
         """(name, elements, dtype) of each workspace region, in order."""
@@ -153,32 +186,6 @@ class SelectPlan:
                 ("offsets", staged + 1, np.dtype(np.int64)),
                 ("entries", self.T1 * self.N2 * c, np.dtype(np.int64)),
                 ("order", staged, np.dtype(np.int64))]
-
-    @property
-    def workspace_bytes(self):
-        used = sum(_region_bytes(n, dt) for _, n, dt in self.layout())
-        return used + WORKSPACE_ALIGN - 1 if used else 0
-
-    def carve(self, workspace):
-        """The regions of ``layout`` in a uint8 workspace (None: new memory)."""
-        if workspace is None:
-            workspace = np.empty(self.workspace_bytes, np.uint8)
-        at = -workspace.ctypes.data % WORKSPACE_ALIGN
-        regions = {}
-        for name, n, dtype in self.layout():
-            size = _region_bytes(n, dtype)
-            regions[name] = workspace[at:at + n * dtype.itemsize].view(dtype)
-            at += size
-        slots = scratch_slots()
-        regions["scratch"] = regions["scratch"].reshape(slots, -1)
-        regions["index"] = regions["index"].reshape(slots, -1)
-        return regions
-
-    def storage(self, role):
-        """``role``'s array as the kernels take it (half precision as integers)."""
-        a = self.arrays[role]
-        kind = kind_of(a.dtype)
-        return a.view(STORAGE[kind]) if kind is not None else a
 
 
 def _round16(n):
@@ -370,26 +377,22 @@ def _stat_dtype(dtype):
     return np.dtype(np.float64) if kind_of(dtype) == "float64" else np.dtype(np.float32)
 
 
-def _common(rules, query, key, value, topk, scale, head_num, block, count, atten_mask,
-            seq_q, seq_kv, grad):
-    """Every check the forward and the gradient share; returns the plan's fields."""
+def check_heads(rules, query, key, value, head_num, keys):
+    """The checks every attention operator makes of its query ``[T1, N1, D]``, keys
+    ``[<keys>, N2, D]``, values ``[<keys>, N2, Dv]`` and ``head_num``: present, 3-D, one
+    dtype, matching shapes, N1 a multiple of N2. Returns the three arrays."""
     op, names = rules.op, rules.names
     for k, a in (("query", query), ("key", key), ("value", value)):
         if a is None:
             raise missing(op, names[k])
     query = _array(rules, "query", query, "[T1, N1, D]")
-    key = _array(rules, "key", key, "[T2, N2, D]")
-    value = _array(rules, "value", value, "[T2, N2, Dv]")
-    dtype = query.dtype
-    _same_dtype(rules, "key", key, "query", dtype)
-    _same_dtype(rules, "value", value, "query", dtype)
-    scale = _scale(rules, scale)
+    key = _array(rules, "key", key, f"[{keys}, N2, D]")
+    value = _array(rules, "value", value, f"[{keys}, N2, Dv]")
+    _same_dtype(rules, "key", key, "query", query.dtype)
+    _same_dtype(rules, "value", value, "query", query.dtype)
     head_num = _int(rules, "head_num", head_num)
-    block = _int(rules, "block", block)
-    count = _int(rules, "count", count)
     T1, N1, D = query.shape
     T2, N2, Dk = key.shape
-    Dv = value.shape[2]
     if head_num != N1:
         raise invalid(op, f"{names['head_num']} must equal the query's head count "
                           f"{names['query']}.shape[1] = {N1}, got {head_num}")
@@ -397,11 +400,26 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
         raise invalid(op, f"{names['key']} head dim must equal {names['query']}'s D = {D}, "
                           f"got {names['key']} of shape {key.shape}")
     if value.shape[:2] != (T2, N2):
-        raise invalid(op, f"{names['value']} must have shape [T2, N2, Dv] with T2, N2 = "
-                          f"{T2}, {N2} ({names['key']}'s), got {value.shape}")
+        raise invalid(op, f"{names['value']} must have shape [{keys}, N2, Dv] with {keys}, "
+                          f"N2 = {T2}, {N2} ({names['key']}'s), got {value.shape}")
     if N2 < 1 or N1 % N2:
         raise invalid(op, f"the query head count N1 = {N1} must be a multiple of the key "
                           f"head count N2 = {N2} ({names['key']}.shape[1])")
+    return query, key, value
+
+
+def _common(rules, query, key, value, topk, scale, head_num, block, count, atten_mask,
+            seq_q, seq_kv, grad):
+    """Every check the forward and the gradient share; returns the plan's fields."""
+    op, names = rules.op, rules.names
+    query, key, value = check_heads(rules, query, key, value, head_num, "T2")
+    dtype = query.dtype
+    scale = _scale(rules, scale)
+    block = _int(rules, "block", block)
+    count = _int(rules, "count", count)
+    T1, N1, D = query.shape
+    T2, N2, _ = key.shape
+    Dv = value.shape[2]
     if block < 1:
         raise invalid(op, f"{names['block']} must be >= 1, got {block}")
     if count < 1:
