@@ -5,8 +5,8 @@ The same computation as Huawei CANN's ``aclnnNsaCompress``,
 ``aclnnNsaSelectedAttention`` / ``...Grad`` (torch_npu ``npu_nsa_compress`` /
 ``npu_nsa_compress_grad`` / ``npu_nsa_compress_infer`` /
 ``npu_nsa_select_attention`` / ``_grad``) for packed variable-length sequences in
-layout TND and paged KV caches; and the forward of ``aclnnNsaCompressAttention``
-(``nsa_compress_attention``).
+layout TND and paged KV caches; and ``aclnnNsaCompressAttention``
+(``npu_nsa_compress_attention``) with its gradient.
 """
 
 from . import _threading
@@ -18,8 +18,9 @@ from ._errors import NsaError  # noqa: E402
 from ._firstrun import compile_messages  # noqa: E402
 from ._pool import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
-from .api import (nsa_compress, nsa_compress_attention, nsa_compress_grad,  # noqa: E402
-                  nsa_compress_infer, nsa_select_attention, nsa_select_attention_grad)
+from .api import (nsa_compress, nsa_compress_attention,  # noqa: E402
+                  nsa_compress_attention_grad, nsa_compress_grad, nsa_compress_infer,
+                  nsa_select_attention, nsa_select_attention_grad)
 from ._warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
@@ -27,6 +28,6 @@ __version__ = "0.1.0"
 _firstrun.install()
 
 __all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress",
-           "nsa_compress_attention", "nsa_compress_grad",
+           "nsa_compress_attention", "nsa_compress_attention_grad", "nsa_compress_grad",
            "nsa_compress_infer", "nsa_select_attention", "nsa_select_attention_grad",
            "release_outputs", "threads", "warmup", "__version__"]

@@ -33,17 +33,17 @@ import numpy as np
 from numba import get_thread_id, prange, types
 from numba.extending import overload
 
-from ._halfprec import narrow, widen
+from ._halfprec import HARDWARE_HALF, narrow, widen
 from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
 from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
-from ._lanes import ldiv, lload_wide, lstore, lsub, lsum, lzeros
+from ._lanes import ldiv, lload_wide, lstore, lstore_narrow, lsub, lsum, lzeros
 
 # The compile cache is keyed on this file's text only. These digests tie it to the
 # helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
     "_jit.py": "5e2d2922a8cf1971",
-    "_lanes.py": "93e3afd3b27dbf2a",
+    "_lanes.py": "a8636b3242790772",
 }
 
 #: the score a masked key gets (float32's lowest finite value, as the NPU writes)
@@ -159,6 +159,102 @@ def _mm_typed(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
             e += 16
         if e < e1:
             _mm_scalar(w, wb, sm, sk, nk, rows, b, e, e1, out, ob, so, add)
+    return lanes
+
+
+# -- rows of the operators' arrays ----------------------------------------------------
+#
+# ``row`` is one head's row of a 3-axis input or output (``x[t, h]``, a 1-D view of any
+# layout). Where its elements are adjacent (stride one element, the usual case) these
+# go 16 at a time, else one by one; the results are the same either way.
+
+def _adjacent(row):
+    return row.strides[0] == row.itemsize
+
+
+def _widen_row(row, dst, o):
+    """``dst[o:o + row.size]`` = ``row`` widened to the accumulator type."""
+    raise NotImplementedError
+
+
+@overload(_widen_row, jit_options=OVERLOAD_OPTIONS)
+def _widen_row_typed(row, dst, o):
+    if dst.dtype == types.float64:
+        def scalar(row, dst, o):
+            for e in range(row.size):
+                dst[o + e] = widen(row[e])
+        return scalar
+
+    def lanes(row, dst, o):
+        n = row.size
+        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+        check_lanes(dst, o, n)
+        for e in range(0, full, 16):
+            check_lanes(row, e)
+            lstore(dst, o + e, lload_wide(row, e))
+        for e in range(full, n):
+            dst[o + e] = widen(row[e])
+    return lanes
+
+
+def _dot_row(a, o, row):
+    """``sum_e a[o + e] * row[e]`` (``row`` widened): in 16 lanes (element ``e`` in lane
+    ``e % 16``, each a chain of fused multiply-adds) added in lane order, then the tail
+    of ``size % 16`` in order; or, when ``row``'s elements are not adjacent, and for
+    float64, one chain in order."""
+    raise NotImplementedError
+
+
+@overload(_dot_row, jit_options=OVERLOAD_OPTIONS)
+def _dot_row_typed(a, o, row):
+    if a.dtype == types.float64:
+        def scalar(a, o, row):
+            acc = 0.0
+            for e in range(row.size):
+                acc = fma(a[o + e], widen(row[e]), acc)
+            return acc
+        return scalar
+
+    def lanes(a, o, row):
+        n = row.size
+        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+        check_lanes(a, o, n)
+        acc = lzeros()
+        for e in range(0, full, 16):
+            check_lanes(row, e)
+            acc = lfma(acc, lload(a, o + e), lload_wide(row, e))
+        total = lsum(acc) if full else np.float32(0)
+        for e in range(full, n):
+            total = fma(a[o + e], widen(row[e]), total)
+        return total
+    return lanes
+
+
+def _narrow_row(src, o, row):
+    """``row[:] = src[o:o + row.size]`` rounded once to ``row``'s storage."""
+    raise NotImplementedError
+
+
+@overload(_narrow_row, jit_options=OVERLOAD_OPTIONS)
+def _narrow_row_typed(src, o, row):
+    vector = src.dtype == types.float32 and (
+        row.dtype in (types.float32, types.int16)
+        or (row.dtype == types.uint16 and HARDWARE_HALF))
+    if not vector:
+        def scalar(src, o, row):
+            for e in range(row.size):
+                row[e] = narrow(src[o + e], row)
+        return scalar
+
+    def lanes(src, o, row):
+        n = row.size
+        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+        check_lanes(src, o, n)
+        for e in range(0, full, 16):
+            check_lanes(row, e)
+            lstore_narrow(row, e, lload(src, o + e))
+        for e in range(full, n):
+            row[e] = narrow(src[o + e], row)
     return lanes
 
 
@@ -287,10 +383,13 @@ def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
 # -- staging --------------------------------------------------------------------------
 
 @jit
-def _stage_block(k, v, row0, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
+def _stage_block(k, v, row0, n, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
+    """Rows ``row0 .. row0 + n`` of KV head ``j`` into the staged layouts at block
+    ``base_k`` / ``base_v`` (in units of D and Dv), zero padded to ``l`` rows (the row
+    layouts) and ``lp`` lanes (the transposed ones)."""
     D = k.shape[2]
     Dv = v.shape[2]
-    for r in range(l):
+    for r in range(n):
         for d in range(D):
             x = k[row0 + r, j, d]
             if kt.size:
@@ -303,7 +402,14 @@ def _stage_block(k, v, row0, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
                 vrow[base_v * l + r * Dv + e] = x
             if vt.size:
                 vt[base_v * lp + e * lp + r] = x
-    for r in range(l, lp):
+    for r in range(n, l):
+        if krow.size:
+            for d in range(D):
+                krow[base_k * l + r * D + d] = 0
+        if vrow.size:
+            for e in range(Dv):
+                vrow[base_v * l + r * Dv + e] = 0
+    for r in range(n, lp):
         if kt.size:
             for d in range(D):
                 kt[base_k * lp + d * lp + r] = 0
@@ -321,7 +427,7 @@ def select_stage(k, v, block_row, l, lp, kt, krow, vrow, vt):
     for unit in prange(block_row.size * N2):
         u = np.int64(unit)
         gb, j = u // N2, u % N2
-        _stage_block(k, v, block_row[gb], j, l, lp, kt, krow, vrow, vt, u * D, u * Dv)
+        _stage_block(k, v, block_row[gb], l, j, l, lp, kt, krow, vrow, vt, u * D, u * Dv)
 
 
 # -- shared per-unit pieces -----------------------------------------------------------
@@ -354,20 +460,19 @@ def _visible(topk, t, j, count, diag, causal, vis):
 def _widen_heads(x, t, h0, G, G4, width, dst):
     """``x[t, h0:h0 + G, :]`` widened into ``dst[:G4 * width]`` (rows past G zero)."""
     for g in range(G):
-        for e in range(width):
-            dst[g * width + e] = widen(x[t, h0 + g, e])
+        _widen_row(x[t, h0 + g], dst, g * width)
     for i in range(G * width, G4 * width):
         dst[i] = 0
 
 
 @jit
-def _block_scores(a, depth, staged, base, lp, rows, s, ob, lds, G4):
+def _block_scores(a, depth, staged, base, lp, e0, e1, rows, s, ob, lds, G4):
     """``s[g * lds + ob + r] = sum_d a[g * depth + d] * staged[base + d * lp + r]`` for
-    ``r < lp`` (a transposed staged block), four rows at a time."""
+    ``e0 <= r < e1`` (a transposed staged block of ``lp`` lanes), four rows at a time."""
     for d in range(depth):
         rows[d] = base + d * lp
     for g in range(0, G4, 4):
-        _mm(a, g * depth, depth, 1, depth, rows, staged, 0, lp, s, ob + g * lds, lds, False)
+        _mm(a, g * depth, depth, 1, depth, rows, staged, e0, e1, s, ob + g * lds, lds, False)
 
 
 # -- forward ---------------------------------------------------------------------------
@@ -394,7 +499,7 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
                 for r in range(l):
                     s[g * lds + v * l + r] = MASKED
             continue
-        _block_scores(qs, D, kt, (gb * N2 + j) * D * lp, lp, rows, s, v * l, lds, G4)
+        _block_scores(qs, D, kt, (gb * N2 + j) * D * lp, lp, 0, lp, rows, s, v * l, lds, G4)
         keep = pos % l + 1 if causal and idx == diag else l
         for g in range(G):
             _scale_mask(s, g * lds + v * l, l, scale, keep)
@@ -412,9 +517,8 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
     for g in range(0, G4, 4):
         _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
     for g in range(G):
-        total = ssum[t, j * G + g, 0]
-        for e in range(Dv):
-            out[t, j * G + g, e] = narrow(o[g * Dv + e] / total, out)
+        _divide(o, g * Dv, Dv, ssum[t, j * G + g, 0])
+        _narrow_row(o, g * Dv, out[t, j * G + g])
 
 
 @jit_parallel
@@ -437,15 +541,13 @@ def select_forward(q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, scr
 @jit
 def _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats):
     """The unit's query rows and output-gradient rows widened (``qs``, ``dos``), and
-    per head ``stats[g]`` = (max, sum, delta = sum_e dO * O in order, fused)."""
+    per head ``stats[g]`` = (max, sum, delta = sum_e dO * O, ``_dot_row``)."""
     D, Dv = q.shape[2], grad.shape[2]
     _widen_heads(q, t, j * G, G, G4, D, qs)
     _widen_heads(grad, t, j * G, G, G4, Dv, dos)
     for g in range(G):
         h = j * G + g
-        delta = stats.dtype.type(0)
-        for e in range(Dv):
-            delta = fma(dos[g * Dv + e], widen(out_fwd[t, h, e]), delta)
+        delta = _dot_row(dos, g * Dv, out_fwd[t, h])
         stats[3 * g] = smax[t, h, 0]
         stats[3 * g + 1] = ssum[t, h, 0]
         stats[3 * g + 2] = delta
@@ -464,16 +566,41 @@ def _grad_scratch(f, G4, D, Dv, lds):
 
 
 @jit
-def _block_ds(qs, dos, kt, vt, base_k, base_v, D, Dv, lp, rows, s, dp, ob, lds, G, G4,
-              stats, scale, keep, l):
-    """Scores and dP of one block for the unit's heads into ``s`` / ``dp`` at ``ob``;
-    then ``s`` holds P and ``dp`` holds ``scale * dS`` (``_ds_row``)."""
-    _block_scores(qs, D, kt, base_k, lp, rows, s, ob, lds, G4)
-    _block_scores(dos, Dv, vt, base_v, lp, rows, dp, ob, lds, G4)
+def _mask_keys(s, o, n, mask, row, col0, lo, hi, holes):
+    """Scores ``s[o:o + n]`` of keys ``col0 ..`` set to MASKED where the key is outside
+    ``[lo, hi)``, and with ``holes`` where ``mask[row, key]`` is set."""
+    end = col0 + n
+    for k in range(col0, min(lo, end)):
+        s[o + k - col0] = MASKED
+    for k in range(max(hi, col0), end):
+        s[o + k - col0] = MASKED
+    if holes:
+        for k in range(max(lo, col0), min(hi, end)):
+            if mask[row, k] != 0:
+                s[o + k - col0] = MASKED
+
+
+#: the mask argument of a unit that has none
+NO_MASK = np.zeros((0, 0), np.uint8)
+
+
+@jit
+def _block_ds(qs, dos, kt, vt, base_k, base_v, D, Dv, lp, e0, e1, rows, s, dp, ob, lds, G,
+              G4, stats, scale, keep, l, mask, row, col0, lo, hi, holes):
+    """Scores and dP of keys ``e0 <= r < min(e1, l)`` of one block (``e0``, ``e1``:
+    multiples of 16) for the unit's heads into ``s`` / ``dp`` at ``ob + r``; then ``s``
+    holds P and ``dp`` holds ``scale * dS`` (``_ds_row``). Keys from ``keep`` on are
+    masked, and those ``_mask_keys`` masks (the block's first key is key ``col0`` of
+    mask row ``row``)."""
+    _block_scores(qs, D, kt, base_k, lp, e0, e1, rows, s, ob, lds, G4)
+    _block_scores(dos, Dv, vt, base_v, lp, e0, e1, rows, dp, ob, lds, G4)
+    n = min(e1, l) - e0
     for g in range(G):
-        _scale_mask(s, g * lds + ob, l, scale, keep)
-        _ds_row(s, dp, g * lds + ob, l, stats[3 * g], stats[3 * g + 1], stats[3 * g + 2],
-                scale, keep)
+        o = g * lds + ob + e0
+        _scale_mask(s, o, n, scale, keep - e0)
+        _mask_keys(s, o, min(keep, e1) - e0, mask, row, col0 + e0, lo, hi, holes)
+        _ds_row(s, dp, o, n, stats[3 * g], stats[3 * g + 1], stats[3 * g + 2], scale,
+                keep - e0)
 
 
 @jit
@@ -498,8 +625,8 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
         idx = topk[t, j, vis[v]]
         u = (blk_starts[b] + idx) * N2 + j
         keep = pos % l + 1 if causal and idx == diag else l
-        _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, rows, s, dp, v * l,
-                  lds, G, G4, stats, scale, keep, l)
+        _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, 0, lp, rows, s, dp,
+                  v * l, lds, G, G4, stats, scale, keep, l, NO_MASK, 0, 0, 0, l, False)
     for g in range(G, G4):
         for i in range(nvis * l):
             dp[g * lds + i] = 0
@@ -511,8 +638,7 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
     for g in range(0, G4, 4):
         _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
     for g in range(G):
-        for d in range(D):
-            dq[t, j * G + g, d] = narrow(acc[g * D + d], dq)
+        _narrow_row(acc, g * D, dq[t, j * G + g])
 
 
 @jit_parallel
@@ -572,6 +698,41 @@ def owner_batch(G):
 
 
 @jit
+def _owner_scratch(f, rows, D, Dv, lds, keys):
+    """An owner's scratch: ``_grad_scratch``'s for ``rows`` head rows, then its dk and dv
+    sums for ``keys`` keys, zeroed."""
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, rows, D, Dv, lds)
+    dkb = rest[:keys * D]
+    dvb = rest[keys * D:keys * (D + Dv)]
+    dkb[:] = 0
+    dvb[:] = 0
+    return qs, dos, s, dp, stats, dkb, dvb
+
+
+@jit
+def _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds, width, valid):
+    """An owner's pair whose keys are all masked: P = exp(MASKED - max) / sum, zero
+    unless the whole row is masked (then 1 / K, and dv gets dO / K), for the first
+    ``valid`` of ``width`` keys; dS = 0. Fills the pair's rows (from row ``o``) and
+    returns whether any weight is not zero (else the pair adds nothing)."""
+    Dv = grad.shape[2]
+    weight = False
+    for g in range(G4):
+        p = s.dtype.type(0)
+        if g < G:
+            h = j * G + g
+            p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
+        for r in range(width):
+            s[(o + g) * lds + r] = p if r < valid else 0
+            dp[(o + g) * lds + r] = 0
+        weight = weight or p != 0
+    if weight:
+        _widen_heads(grad, t, j * G, G, G4, Dv, dos[o * Dv:])
+        qs[o * D:(o + G4) * D] = 0
+    return weight
+
+
+@jit
 def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
                 offsets, entries, kt, vt, dk, dv, f, rows, G, l, lp, scale, causal):
     N2, count = topk.shape[1], topk.shape[2]
@@ -581,11 +742,7 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
     l4 = (l + 3) & ~3
     lds = lp + KEY_ALIGN
     batch = owner_batch(G)
-    qs, dos, s, dp, stats, rest = _grad_scratch(f, batch * G4, D, Dv, lds)
-    dkb = rest[:l4 * D]
-    dvb = rest[l4 * D:l4 * (D + Dv)]
-    dkb[:] = 0
-    dvb[:] = 0
+    qs, dos, s, dp, stats, dkb, dvb = _owner_scratch(f, batch * G4, D, Dv, lds, l4)
     n = 0                   # pairs in the batch; pair p's heads are rows p*G4 .. p*G4 + G4
     for e in range(offsets[u], offsets[u + 1]):
         t, i = divmod(entries[e], count)
@@ -594,55 +751,42 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
         idx = topk[t, j, i]
         o = n * G4
         if causal and idx > diag:
-            # masked whole: P = exp(MASKED - max) / sum, zero unless the whole row is
-            # masked (then 1 / K, and dv gets dO / K); dS = 0
-            weight = False
-            for g in range(G4):
-                p = s.dtype.type(0)
-                if g < G:
-                    h = j * G + g
-                    p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
-                for r in range(l4):
-                    s[(o + g) * lds + r] = p
-                    dp[(o + g) * lds + r] = 0
-                weight = weight or p != 0
-            if not weight:
+            if not _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds,
+                                l4, l4):
                 continue
-            _widen_heads(grad, t, j * G, G, G4, Dv, dos[o * Dv:])
-            qs[o * D:(o + G4) * D] = 0
         else:
             _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs[o * D:], dos[o * Dv:],
                        stats[3 * o:])
             keep = pos % l + 1 if causal and idx == diag else l
             _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp,
-                      rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale, keep, l)
+                      0, lp, rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale, keep, l,
+                      NO_MASK, 0, 0, 0, l, False)
         n += 1
         if n == batch:
-            _owner_sums(s, dp, qs, dos, n * G4, lds, l4, D, Dv, rows, dkb, dvb)
+            _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
             n = 0
     if n:
-        _owner_sums(s, dp, qs, dos, n * G4, lds, l4, D, Dv, rows, dkb, dvb)
+        _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
     row0 = block_row[gb]
     for r in range(l):
-        for d in range(D):
-            dk[row0 + r, j, d] = narrow(dkb[r * D + d], dk)
-        for e in range(Dv):
-            dv[row0 + r, j, e] = narrow(dvb[r * Dv + e], dv)
+        _narrow_row(dkb, r * D, dk[row0 + r, j])
+        _narrow_row(dvb, r * Dv, dv[row0 + r, j])
 
 
 @jit
-def _owner_sums(s, dp, qs, dos, heads, lds, l4, D, Dv, rows, dkb, dvb):
-    """A batch's terms added to the owner's sums, four keys at a time, over its query
-    heads in order (pairs in entry order, heads in order within a pair: the order one
-    pair at a time gives): ``dvb[r] += sum P[h, r] dO[h]``, ``dkb[r] += sum
-    (scale dS)[h, r] q[h]`` (heads past G are zero rows)."""
+def _owner_sums(s, dp, qs, dos, heads, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb):
+    """A batch's terms added to the owner's sums for its keys ``r_lo <= r < r_hi``
+    (multiples of 4), four keys at a time, over its query heads in order (pairs in
+    entry order, heads in order within a pair: the order one pair at a time gives):
+    ``dvb[r] += sum P[h, r] dO[h]``, ``dkb[r] += sum (scale dS)[h, r] q[h]`` (heads
+    past G are zero rows)."""
     for h in range(heads):
         rows[h] = h * Dv
-    for r0 in range(0, l4, 4):
+    for r0 in range(r_lo, r_hi, 4):
         _mm(s, r0, 1, lds, heads, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
     for h in range(heads):
         rows[h] = h * D
-    for r0 in range(0, l4, 4):
+    for r0 in range(r_lo, r_hi, 4):
         _mm(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True)
 
 
@@ -667,47 +811,96 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
                     G, l, lp, scale, causal)
 
 
-# -- compressed attention (forward, with the top-k blocks) ------------------------------
+# -- dense attention: every key of a sequence, masked (compressed attention) ----------
+#
+# A query row sees the keys of its sequence in ``[lo, hi)`` (``ranges[t]``) that the
+# mask, when there is one, leaves visible; a row that sees none (``ranges[t, 2]``)
+# takes equal weights over all its sequence's keys. Keys are staged in chunks of
+# CHUNK; a unit computes only the chunks that meet its row's range, which leaves
+# every sum as it was (a key outside the range has P = 0 exactly).
+
+#: keys per staged chunk
+CHUNK = 64
+
 
 @jit_parallel
-def cmp_stage(k, v, kv_starts, padded_starts, kt, vrow):
-    """Stage each sequence's compressed keys transposed (``kt``: per sequence b and KV
-    head j, ``[D, P_b]`` from ``(padded_starts[b] * N2 + j * P_b) * D``, ``P_b`` its
-    length rounded up to KEY_ALIGN, zero padded) and its values as rows (``vrow``: row
-    ``(kv_starts[b] * N2 + j * Tc_b + r) * Dv``), as stored."""
+def dense_stage(k, v, chunk_row, chunk_len, kt, krow, vrow, vt):
+    """Stage every chunk (``chunk_row[c]``: its first key row, ``chunk_len[c]`` keys)
+    of every KV head as :func:`select_stage` stages a block of CHUNK keys, zero padded."""
     N2, D, Dv = k.shape[1], k.shape[2], v.shape[2]
-    for unit in prange((kv_starts.size - 1) * N2):
-        b, j = np.int64(unit) // N2, np.int64(unit) % N2
-        k0, n = kv_starts[b], kv_starts[b + 1] - kv_starts[b]
-        p = padded_starts[b + 1] - padded_starts[b]
-        base = (padded_starts[b] * N2 + j * p) * D
-        for r in range(n):
-            for d in range(D):
-                kt[base + d * p + r] = k[k0 + r, j, d]
-            row = (k0 * N2 + j * n + r) * Dv
-            for e in range(Dv):
-                vrow[row + e] = v[k0 + r, j, e]
-        for d in range(D):
-            for r in range(n, p):
-                kt[base + d * p + r] = 0
+    for unit in prange(chunk_row.size * N2):
+        u = np.int64(unit)
+        c, j = u // N2, u % N2
+        _stage_block(k, v, chunk_row[c], chunk_len[c], j, CHUNK, CHUNK, kt, krow, vrow, vt,
+                     u * D, u * Dv)
+
+
+@jit_parallel
+def dense_ranges(mask, q_starts, kv_starts, ranges):
+    """Per query token ``t``: ``ranges[t] = (lo, hi, 0, holes)``: the first and one
+    past the last key its mask row leaves visible (all keys without a mask), and
+    whether the mask hides any key between them; or ``(0, K, 1, 0)`` when the mask
+    hides every one of its sequence's K keys."""
+    for unit in prange(ranges.shape[0]):
+        t = np.int64(unit)
+        b, pos = _sequence(q_starts, t)
+        nk = kv_starts[b + 1] - kv_starts[b]
+        lo, hi, holes = 0, nk, 0
+        if mask.shape[0] > 0:
+            while lo < nk and mask[pos, lo] != 0:
+                lo += 1
+            while hi > lo and mask[pos, hi - 1] != 0:
+                hi -= 1
+            for k in range(lo, hi):
+                if mask[pos, k] != 0:
+                    holes = 1
+                    break
+        full = lo >= hi
+        ranges[t, 0] = 0 if full else lo
+        ranges[t, 1] = nk if full else hi
+        ranges[t, 2] = 1 if full else 0
+        ranges[t, 3] = holes
 
 
 @jit
-def _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow, atten_mask,
-              topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m, n):
+def _span(ranges, t, nk):
+    """The keys a row's unit computes: ``[first, end)``, its range widened to
+    multiples of 16 (at most ``nk``), or every key for a row whose keys are all
+    masked."""
+    if ranges[t, 2]:
+        return 0, nk
+    return ranges[t, 0] & ~15, min((ranges[t, 1] + 15) & ~15, nk)
+
+
+@jit
+def _lanes_of(c, first, end):
+    """Lanes ``[e0, e1)`` of chunk ``c`` that hold keys ``[first, end)``, widened to
+    multiples of 16."""
+    return max(first - c * CHUNK, 0), min(((end + 15) & ~15) - c * CHUNK, CHUNK)
+
+
+@jit
+def _chunk_rows(rows, base, n, first, N2, j, width):
+    """``rows[i]`` = where key ``first + i`` (of the sequence whose first chunk is
+    ``base``) starts in a staged row layout of ``width`` per key, ``i < n``."""
+    for i in range(n):
+        c, r = divmod(first + i, CHUNK)
+        rows[i] = (((base + c) * N2 + j) * CHUNK + r) * width
+
+
+@jit
+def _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
+              atten_mask, topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m, n):
     """One query token and KV head of compressed attention: the scores over the
-    sequence's compressed keys (masked where ``atten_mask`` is set, when it is not
-    empty), the softmax, the values' sum, and the importance of each block of raw keys
-    (the group's weights summed head by head, then through the NPU's window of
-    ``m + n - 1`` tokens), forced blocks first, then the largest, ties to the lower
-    block."""
+    sequence's compressed keys in its range (masked where ``atten_mask`` is set), the
+    softmax, the values' sum, and the importance of each block of raw keys (the
+    group's weights summed head by head, then through the NPU's window of ``m + n -
+    1`` tokens), forced blocks first, then the largest, ties to the lower block."""
     N2, count = topk.shape[1], topk.shape[2]
     D, Dv = q.shape[2], out.shape[2]
     G4 = (G + 3) & ~3
     b, pos = _sequence(q_starts, t)
-    k0 = kv_starts[b]
-    nk = kv_starts[b + 1] - k0
-    p = padded_starts[b + 1] - padded_starts[b]
+    nk = kv_starts[b + 1] - kv_starts[b]
     sel = sel_starts[b + 1] - sel_starts[b]
     qs = f[:G4 * D]
     s = f[G4 * D:G4 * (D + lds)]
@@ -715,39 +908,38 @@ def _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow,
     at = G4 * (D + lds + Dv)
     psum = f[at:at + lds]
     score = f[at + lds:at + 2 * lds]
-    taken = rows[max(D, 64):]
-    _widen_heads(q, t, j * G, G, G4, D, qs)
-    base = (padded_starts[b] * N2 + j * p) * D
-    for d in range(D):
-        rows[d] = base + d * p
-    for e0 in range(0, p, 64):            # a chunk of keys, all head tiles, in cache
-        for g in range(0, G4, 4):
-            _mm(qs, g * D, D, 1, D, rows, kt, e0, min(e0 + 64, p), s, g * lds, lds, False)
-    masked = atten_mask.shape[0] > 0
+    taken = rows[max(D, CHUNK):]
+    first, end = _span(ranges, t, nk)
+    span = end - first
+    if ranges[t, 2]:
+        for g in range(G):
+            for i in range(span):
+                s[g * lds + i] = MASKED
+    else:
+        _widen_heads(q, t, j * G, G, G4, D, qs)
+        for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
+            u = (chunk_starts[b] + c) * N2 + j
+            e0, e1 = _lanes_of(c, first, end)
+            _block_scores(qs, D, kt, u * D * CHUNK, CHUNK, e0, e1, rows, s,
+                          c * CHUNK - first, lds, G4)
+        for g in range(G):
+            _scale_mask(s, g * lds, span, scale, span)
+            _mask_keys(s, g * lds, span, atten_mask, pos, first, ranges[t, 0], ranges[t, 1],
+                       ranges[t, 3])
     for g in range(G):
-        _scale_mask(s, g * lds, nk, scale, nk)
-        if masked:
-            for k in range(nk):
-                if atten_mask[pos, k]:
-                    s[g * lds + k] = MASKED
-        top, total = _row_softmax(s, g * lds, nk)
+        top, total = _row_softmax(s, g * lds, span)
         for i in range(smax.shape[2]):
             smax[t, j * G + g, i] = top
             ssum[t, j * G + g, i] = total
-    vbase = (k0 * N2 + j * nk) * Dv
-    for c0 in range(0, nk, 64):
-        c1 = min(c0 + 64, nk)
-        for r in range(c0, c1):
-            rows[r - c0] = vbase + r * Dv
-        for g in range(0, G4, 4):
-            _mm(s, g * lds + c0, lds, 1, c1 - c0, rows, vrow, 0, Dv, o, g * Dv, Dv, c0 > 0)
+    _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
+    for g in range(0, G4, 4):
+        _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    psum[:nk] = 0
     for g in range(G):
         total = ssum[t, j * G + g, 0]
-        for e in range(Dv):
-            out[t, j * G + g, e] = narrow(o[g * Dv + e] / total, out)
-        for k in range(nk):
-            x = s[g * lds + k] / total
-            psum[k] = x if g == 0 else psum[k] + x
+        _divide(o, g * Dv, Dv, total)
+        _narrow_row(o, g * Dv, out[t, j * G + g])
+        _add_quotient(psum, first, s, g * lds, span, total)
     forced = topk_mask.shape[0] > 0
     for c in range(sel):
         acc = score.dtype.type(0)
@@ -756,24 +948,215 @@ def _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow,
             if 0 <= k < nk:
                 acc = fma(score.dtype.type(min(i + 1, n, m + n - 1 - i)), psum[k], acc)
         score[c] = np.inf if forced and topk_mask[pos, c] else acc
-        taken[c] = 0
+    _top(score, sel, count, taken)
     for r in range(count):
-        best = -1
-        for c in range(sel):
-            if taken[c] == 0 and (best < 0 or score[c] > score[best]):
-                best = c
-        taken[best] = 1
-        topk[t, j, r] = best
+        topk[t, j, r] = taken[r]
+
+
+@jit
+def _top(score, n, count, best):
+    """``best[:count]``: the indices of the ``count`` largest of ``score[:n]``, largest
+    first, ties to the lower index (one pass, kept sorted by insertion)."""
+    kept = 0
+    for c in range(n):
+        x = score[c]
+        if kept == count and not x > score[best[kept - 1]]:
+            continue
+        i = kept if kept < count else count - 1
+        while i > 0 and x > score[best[i - 1]]:
+            best[i] = best[i - 1]
+            i -= 1
+        best[i] = c
+        kept = min(kept + 1, count)
+
+
+def _divide(a, o, n, d):
+    """``a[o + i] /= d`` for ``i < n``."""
+    raise NotImplementedError
+
+
+@overload(_divide, jit_options=OVERLOAD_OPTIONS)
+def _divide_typed(a, o, n, d):
+    if a.dtype == types.float64:
+        def scalar(a, o, n, d):
+            for i in range(n):
+                a[o + i] /= d
+        return scalar
+
+    def lanes(a, o, n, d):
+        check_lanes(a, o, n)
+        full = n - n % 16
+        for i in range(0, full, 16):
+            lstore(a, o + i, ldiv(lload(a, o + i), d))
+        for i in range(full, n):
+            a[o + i] /= d
+    return lanes
+
+
+def _add_quotient(a, oa, b, ob, n, d):
+    """``a[oa + i] += b[ob + i] / d`` for ``i < n``."""
+    raise NotImplementedError
+
+
+@overload(_add_quotient, jit_options=OVERLOAD_OPTIONS)
+def _add_quotient_typed(a, oa, b, ob, n, d):
+    if a.dtype == types.float64:
+        def scalar(a, oa, b, ob, n, d):
+            for i in range(n):
+                a[oa + i] += b[ob + i] / d
+        return scalar
+
+    def lanes(a, oa, b, ob, n, d):
+        check_lanes(a, oa, n)
+        check_lanes(b, ob, n)
+        full = n - n % 16
+        for i in range(0, full, 16):
+            lstore(a, oa + i, ladd(lload(a, oa + i), ldiv(lload(b, ob + i), d)))
+        for i in range(full, n):
+            a[oa + i] += b[ob + i] / d
+    return lanes
 
 
 @jit_parallel
-def cmp_forward(q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow, atten_mask,
-                topk_mask, out, topk, smax, ssum, scratch, index, G, lds, scale, m, n):
+def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
+                atten_mask, topk_mask, out, topk, smax, ssum, scratch, index, G, lds, scale,
+                m, n):
     """Compressed attention with top-k selection, one unit per query token and KV head."""
     T1, N2 = topk.shape[0], topk.shape[1]
     for unit in prange(T1 * N2):
         t, j = np.int64(unit) // N2, np.int64(unit) % N2
         slot = get_thread_id()
-        _cmp_unit(t, j, q, q_starts, kv_starts, padded_starts, sel_starts, kt, vrow,
+        _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
                   atten_mask, topk_mask, out, topk, smax, ssum, scratch[slot], index[slot],
                   G, lds, scale, m, n)
+
+
+# -- dense attention backward -----------------------------------------------------------
+
+@jit
+def _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
+                   ranges, kt, krow, vt, mask, dq, f, rows, G, N2, lds, scale):
+    D, Dv = q.shape[2], grad.shape[2]
+    G4 = (G + 3) & ~3
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
+    acc = rest[:G4 * D]
+    if ranges[t, 2]:            # uniform weights over masked keys: no gradient to q
+        for g in range(G):
+            for d in range(D):
+                dq[t, j * G + g, d] = narrow(0.0, dq)
+        return
+    b, pos = _sequence(q_starts, t)
+    nk = kv_starts[b + 1] - kv_starts[b]
+    first, end = _span(ranges, t, nk)
+    span = end - first
+    _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
+    for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
+        u = (chunk_starts[b] + c) * N2 + j
+        e0, e1 = _lanes_of(c, first, end)
+        _block_ds(qs, dos, kt, vt, u * D * CHUNK, u * Dv * CHUNK, D, Dv, CHUNK, e0, e1, rows,
+                  s, dp, c * CHUNK - first, lds, G, G4, stats, scale,
+                  min(CHUNK, nk - c * CHUNK), CHUNK, mask, pos, c * CHUNK, ranges[t, 0],
+                  ranges[t, 1], ranges[t, 3])
+    for g in range(G, G4):
+        for i in range(span):
+            dp[g * lds + i] = 0
+    _chunk_rows(rows, chunk_starts[b], span, first, N2, j, D)
+    for g in range(0, G4, 4):
+        _mm(dp, g * lds, lds, 1, span, rows, krow, 0, D, acc, g * D, D, False)
+    for g in range(G):
+        _narrow_row(acc, g * D, dq[t, j * G + g])
+
+
+@jit_parallel
+def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
+                  kt, krow, vt, mask, dq, scratch, index, G, lds, scale):
+    """The query gradient of dense attention, one unit per token and KV head."""
+    T1, N2 = q.shape[0], q.shape[1] // G
+    for unit in prange(T1 * N2):
+        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+        slot = get_thread_id()
+        _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
+                       ranges, kt, krow, vt, mask, dq, scratch[slot], index[slot], G, N2, lds,
+                       scale)
+
+
+@jit
+def _dense_owner(u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
+                 kt, vt, mask, dk, dv, f, rows, G, N2, scale):
+    """dk and dv of chunk ``u // N2``'s keys for KV head ``u % N2``: the terms of every
+    query row of its sequence whose range meets the chunk, in token order."""
+    D, Dv = q.shape[2], grad.shape[2]
+    gc, j = u // N2, u % N2
+    b = np.searchsorted(chunk_starts, gc, side="right") - 1
+    first = (gc - chunk_starts[b]) * CHUNK
+    nk = kv_starts[b + 1] - kv_starts[b]
+    valid = min(CHUNK, nk - first)
+    G4 = (G + 3) & ~3
+    lds = CHUNK + KEY_ALIGN
+    batch = owner_batch(G)
+    qs, dos, s, dp, stats, dkb, dvb = _owner_scratch(f, batch * G4, D, Dv, lds, CHUNK)
+    n = 0                   # rows in the batch; row p's heads are rows p*G4 .. p*G4 + G4
+    r_lo, r_hi = CHUNK, 0   # the keys the batch's rows see, in multiples of 16
+    for t in range(q_starts[b], q_starts[b + 1]):
+        lo, hi = ranges[t, 0], ranges[t, 1]
+        if hi <= first or lo >= first + valid:
+            continue
+        o = n * G4
+        if ranges[t, 2]:
+            if not _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds,
+                                CHUNK, valid):
+                continue
+            e0, e1 = 0, CHUNK
+        else:
+            e0, e1 = _lanes_of(0, (max(lo, first) - first) & ~15, min(hi, nk) - first)
+            _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs[o * D:], dos[o * Dv:],
+                       stats[3 * o:])
+            _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, u * D * CHUNK, u * Dv * CHUNK, D, Dv,
+                      CHUNK, e0, e1, rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale,
+                      valid, CHUNK, mask, t - q_starts[b], first, lo, hi, ranges[t, 3])
+            for g in range(G4):       # what the batch's other rows see, this one does not
+                for r in range(0, e0):
+                    s[(o + g) * lds + r] = 0
+                    dp[(o + g) * lds + r] = 0
+                for r in range(e1, CHUNK):
+                    s[(o + g) * lds + r] = 0
+                    dp[(o + g) * lds + r] = 0
+        r_lo, r_hi = min(r_lo, e0), max(r_hi, e1)
+        n += 1
+        if n == batch:
+            _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
+            n, r_lo, r_hi = 0, CHUNK, 0
+    if n:
+        _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
+    row0 = kv_starts[b] + first
+    for r in range(valid):
+        _narrow_row(dkb, r * D, dk[row0 + r, j])
+        _narrow_row(dvb, r * Dv, dv[row0 + r, j])
+
+
+@jit_parallel
+def dense_grad_dkdv(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
+                    order, kt, vt, mask, dk, dv, scratch, index, G, scale):
+    """The key and value gradients of dense attention, one unit per key chunk and KV
+    head (in ``order``), each the owner of its rows."""
+    N2 = dk.shape[1]
+    for unit in prange(order.size):
+        slot = get_thread_id()
+        _dense_owner(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
+                     chunk_starts, ranges, kt, vt, mask, dk, dv, scratch[slot], index[slot],
+                     G, N2, scale)
+
+
+@jit
+def chunk_work(ranges, q_starts, chunk_starts, work):
+    """``work[c]``: the query rows whose range meets chunk ``c`` (``work`` has one
+    element more than there are chunks)."""
+    work[:] = 0
+    b = 0
+    for t in range(ranges.shape[0]):
+        while q_starts[b + 1] <= t:
+            b += 1
+        work[chunk_starts[b] + ranges[t, 0] // CHUNK] += 1
+        work[chunk_starts[b] + (ranges[t, 1] + CHUNK - 1) // CHUNK] -= 1
+    for c in range(1, work.size):
+        work[c] += work[c - 1]

@@ -29,7 +29,8 @@ from . import _attention, _seqlens
 from ._errors import invalid, tiling
 from ._plan import STORAGE, Rules, kind_of, scratch_slots
 from ._select import (STAT_LANES, AttentionPlan, _int, _launch, _no_overlap, _output,
-                      _round16, _scale, _starts, _stat_dtype, check_heads)
+                      _round16, _scale, _starts, _stat_dtype, check_heads, check_saved,
+                      paired_starts)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "scale": "scale_value",
@@ -38,7 +39,8 @@ PY_NAMES = {
     "topk_mask": "topk_mask", "atten_mask": "atten_mask", "seq_q": "actual_seq_qlen",
     "seq_kv": "actual_cmp_seq_kvlen", "seq_sel": "actual_sel_seq_kvlen",
     "attention_out": "attention_out", "topk": "topk_indices", "softmax_max": "softmax_max",
-    "softmax_sum": "softmax_sum", "strict": "strict",
+    "softmax_sum": "softmax_sum", "strict": "strict", "grad": "grad", "dq": "dq",
+    "dk": "dk", "dv": "dv",
 }
 
 #: the NPU's documented limits (strict mode)
@@ -48,6 +50,9 @@ MAX_SELECT_BLOCK = 128
 MAX_COUNT = 32
 MAX_COMPRESSED = 14000
 GROUP_DIVIDES = 128
+#: the limits of the NPU's generic attention gradient, which computes this one
+MAX_GRAD_HEADS = 256
+MAX_GRAD_DIM = 768
 
 
 def compress_attention_rules(op, **options):
@@ -56,8 +61,40 @@ def compress_attention_rules(op, **options):
     return Rules(op, **options)
 
 
+class _Chunks:
+    """What the plans of dense attention share: keys staged in chunks of
+    ``_attention.CHUNK`` per sequence (``chunk_starts`` [B + 1]: each sequence's first
+    chunk; ``chunk_row``, ``chunk_len``: each chunk's first key row and key count)."""
+
+    @property
+    def chunks(self):
+        return self.chunk_row.size
+
+    @property
+    def row(self):
+        """Floats in one of a unit's score rows: the most chunks a sequence has, in
+        keys, and a vector's slack."""
+        most = int(np.diff(self.chunk_starts).max(initial=0))
+        return most * _attention.CHUNK + _attention.KEY_ALIGN
+
+
+def _chunks(kv_starts):
+    """``(chunk_starts, chunk_row, chunk_len)`` for sequences starting at ``kv_starts``."""
+    C = _attention.CHUNK
+    lengths = np.diff(kv_starts)
+    per = -(-lengths // C)
+    firsts = [np.arange(n, dtype=np.int64) * C for n in per.tolist()]
+    row = np.concatenate([kv_starts[b] + f for b, f in enumerate(firsts)]
+                         + [np.zeros(0, np.int64)])
+    length = np.concatenate([np.minimum(C, lengths[b] - f) for b, f in enumerate(firsts)]
+                            + [np.zeros(0, np.int64)])
+    starts = np.concatenate(([0], np.cumsum(per))).astype(np.int64)
+    return dict(chunk_starts=starts, chunk_row=row.astype(np.int64),
+                chunk_len=length.astype(np.int64))
+
+
 @dataclass(frozen=True, kw_only=True)
-class CompressAttentionPlan(AttentionPlan):
+class CompressAttentionPlan(_Chunks, AttentionPlan):
     """A checked compressed-attention forward, ready to launch."""
     dtype: np.dtype
     T1: int
@@ -71,7 +108,9 @@ class CompressAttentionPlan(AttentionPlan):
     scale: float
     q_starts: np.ndarray            # [B + 1]
     kv_starts: np.ndarray           # [B + 1] compressed tokens
-    padded_starts: np.ndarray       # [B + 1] the same, each length rounded up to 16
+    chunk_starts: np.ndarray
+    chunk_row: np.ndarray
+    chunk_len: np.ndarray
     sel_starts: np.ndarray          # [B + 1] blocks of raw keys
     atten_mask: np.ndarray          # uint8 [rows, cols], or [0, 0] for none
     topk_mask: np.ndarray           # the same
@@ -83,23 +122,58 @@ class CompressAttentionPlan(AttentionPlan):
         return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
                 f"Dv={self.Dv} count={self.count}")
 
-    @property
-    def row(self):
-        """Floats in one of a unit's score rows: the longest sequence's padded length,
-        and a vector's slack."""
-        lengths = np.diff(self.padded_starts)
-        return int(lengths.max(initial=0)) + _attention.KEY_ALIGN
-
     def layout(self):
         G4 = -(-self.G // 4) * 4
         lds, D, Dv, N2 = self.row, self.D, self.Dv, self.N2
         slots = scratch_slots()
         st = STORAGE[kind_of(self.dtype)]
         floats = G4 * (D + lds + Dv) + 2 * lds
-        index = max(D, 64) + lds
-        return [("kt", int(self.padded_starts[-1]) * N2 * D, st),
-                ("vrow", int(self.kv_starts[-1]) * N2 * Dv, st),
+        index = max(D, _attention.CHUNK) + lds
+        staged = self.chunks * N2 * _attention.CHUNK
+        return [("kt", staged * D, st), ("vrow", staged * Dv, st),
+                ("ranges", self.T1 * 4, np.dtype(np.int64)),
                 ("scratch", slots * _round16(floats), self.accumulator),
+                ("index", slots * _round16(index), np.dtype(np.int64))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseGradPlan(_Chunks, AttentionPlan):
+    """A checked gradient of dense attention (compressed attention's), ready to launch."""
+    dtype: np.dtype
+    T1: int
+    N2: int
+    G: int
+    D: int
+    Dv: int
+    scale: float
+    q_starts: np.ndarray
+    kv_starts: np.ndarray
+    chunk_starts: np.ndarray
+    chunk_row: np.ndarray
+    chunk_len: np.ndarray
+    atten_mask: np.ndarray
+    arrays: dict
+    pending: dict = field(default_factory=dict)
+    op: str = "compress_attention_grad"
+
+    def summary(self):
+        return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
+                f"Dv={self.Dv}")
+
+    def layout(self):
+        G4 = -(-self.G // 4) * 4
+        lds, D, Dv, N2, C = self.row, self.D, self.Dv, self.N2, _attention.CHUNK
+        R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
+        slots = scratch_slots()
+        st = STORAGE[kind_of(self.dtype)]
+        dq_floats = G4 * (D + Dv) + 2 * G4 * lds + 3 * G4 + G4 * D
+        owner_floats = R * (D + Dv) + 2 * R * (C + _attention.KEY_ALIGN) + 3 * R + C * (D + Dv)
+        index = max(D, Dv, lds, R)
+        staged = self.chunks * N2 * C
+        return [("kt", staged * D, st), ("krow", staged * D, st), ("vt", staged * Dv, st),
+                ("ranges", self.T1 * 4, np.dtype(np.int64)),
+                ("work", self.chunks + 1, np.dtype(np.int64)),
+                ("scratch", slots * _round16(max(dq_floats, owner_floats)), self.accumulator),
                 ("index", slots * _round16(index), np.dtype(np.int64))]
 
 
@@ -213,27 +287,109 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
         if isinstance(a, np.ndarray):
             inputs[k] = a
     _no_overlap(rules, outputs, inputs)
-    padded = -(-compressed // _attention.KEY_ALIGN) * _attention.KEY_ALIGN
     arrays = {"query": query, "key": key, "value": value, **outputs}
     return CompressAttentionPlan(
         dtype=dtype, T1=T1, N2=N2, G=G, D=D, Dv=Dv, count=count, m=m, n=n, scale=scale,
-        q_starts=q_starts, kv_starts=kv_starts,
-        padded_starts=np.concatenate(([0], np.cumsum(padded))).astype(np.int64),
+        q_starts=q_starts, kv_starts=kv_starts, **_chunks(kv_starts),
         sel_starts=sel_starts.astype(np.int64), atten_mask=mask, topk_mask=forced,
         arrays=arrays, pending={k: shapes[k] for k, a in outputs.items() if a is None})
 
 
+def plan_compress_attention_grad(rules, grad, query, key, value, attention_out, softmax_max,
+                                 softmax_sum, scale, head_num, atten_mask, seq_q, seq_kv,
+                                 dq, dk, dv):
+    """Check the gradient of compressed attention (attention over every compressed key
+    of the sequence, masked by ``atten_mask``) and plan it; NsaError if invalid."""
+    op, names = rules.op, rules.names
+    query, key, value = check_heads(rules, query, key, value, head_num, "Tc")
+    dtype = query.dtype
+    scale = _scale(rules, scale)
+    T1, N1, D = query.shape
+    Tc, N2, _ = key.shape
+    Dv = value.shape[2]
+    if rules.strict:
+        if N1 > MAX_GRAD_HEADS:
+            raise tiling(op, f"{names['query']} head count N1 must be <= {MAX_GRAD_HEADS}, "
+                             f"got {N1}")
+        if D > MAX_GRAD_DIM:
+            raise tiling(op, f"{names['query']} head dim D must be <= {MAX_GRAD_DIM}, got {D}")
+        if Dv > D:
+            raise tiling(op, f"{names['value']} head dim Dv = {Dv} must be <= D = {D}")
+    arrays = {"query": query, "key": key, "value": value}
+    check_saved(rules, arrays, grad, attention_out, softmax_max, softmax_sum, (T1, N1, Dv),
+                dtype)
+    q_starts, kv_starts = paired_starts(rules, seq_q, seq_kv, T1, Tc)
+    queries, compressed = np.diff(q_starts), np.diff(kv_starts)
+    for b in range(queries.size):
+        if queries[b] and not compressed[b]:
+            raise invalid(op, f"sequence {b} has {queries[b]} queries and no compressed "
+                              f"keys ({names['seq_kv']}): its rows would attend to nothing")
+    mask = _mask(rules, "atten_mask", atten_mask, int(queries.max(initial=0)),
+                 int(compressed.max(initial=0)), "the longest query and compressed sequences")
+    if isinstance(atten_mask, np.ndarray):
+        arrays["atten_mask"] = atten_mask
+    shapes = {"dq": (query.shape, dtype), "dk": (key.shape, dtype), "dv": (value.shape, dtype)}
+    outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (("dq", dq), ("dk", dk),
+                                                               ("dv", dv))}
+    _no_overlap(rules, outputs, arrays)
+    arrays.pop("atten_mask", None)
+    arrays.update(outputs)
+    return DenseGradPlan(dtype=dtype, T1=T1, N2=N2, G=N1 // N2, D=D, Dv=Dv, scale=scale,
+                         q_starts=q_starts, kv_starts=kv_starts, **_chunks(kv_starts),
+                         atten_mask=mask, arrays=arrays,
+                         pending={k: shapes[k] for k, a in outputs.items() if a is None})
+
+
 def run_compress_attention(plan, workspace=None, threads=None):
-    """Launch a planned forward (the pipeline's ``launch``)."""
-    if plan.units == 0:
-        return
+    """Launch a planned forward or gradient (the pipeline's ``launch``)."""
+    for _, step in compress_attention_steps(plan, workspace, threads):
+        step()
+
+
+def compress_attention_steps(plan, workspace=None, threads=None):
+    """A planned call's launches in order, as ``(name, function of no arguments)``:
+    "stage" and "ranges" (the rows' visible keys), then the forward's "forward", or
+    the gradient's "dq", "order" (the key owners by work) and "dk dv"."""
+    if plan.units == 0 and plan.op == "compress_attention":
+        return []
     w = plan.carve(workspace)
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
+    scale = plan.accumulator.type(plan.scale)
     st = plan.storage
-    _launch(_attention.cmp_stage, useful, 1, st("key"), st("value"), plan.kv_starts,
-            plan.padded_starts, w["kt"], w["vrow"])
-    _launch(_attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
-            plan.padded_starts, plan.sel_starts, w["kt"], w["vrow"], plan.atten_mask,
+    empty = np.zeros(0, STORAGE[kind_of(plan.dtype)])
+    staged = (w["kt"], empty, w["vrow"], empty) if plan.op == "compress_attention" else \
+        (w["kt"], w["krow"], empty, w["vt"])
+    ranges = w["ranges"].reshape(plan.T1, 4)
+    steps = [("stage", lambda: _launch(_attention.dense_stage, useful, 1, st("key"),
+                                       st("value"), plan.chunk_row, plan.chunk_len,
+                                       *staged)),
+             ("ranges", lambda: _launch(_attention.dense_ranges, useful, 64, plan.atten_mask,
+                                        plan.q_starts, plan.kv_starts, ranges))]
+    if plan.op == "compress_attention":
+        steps.append(("forward", lambda: _launch(
+            _attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
+            plan.chunk_starts, plan.sel_starts, ranges, w["kt"], w["vrow"], plan.atten_mask,
             plan.topk_mask, st("attention_out"), plan.arrays["topk"],
-            plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"], w["index"],
-            plan.G, plan.row, plan.accumulator.type(plan.scale), plan.m, plan.n)
+            plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
+            w["index"], plan.G, plan.row, scale, plan.m, plan.n)))
+        return steps
+    common = (st("query"), st("grad"), st("attention_out"), plan.arrays["softmax_max"],
+              plan.arrays["softmax_sum"], plan.q_starts, plan.kv_starts, plan.chunk_starts,
+              ranges)
+    if plan.units:
+        steps.append(("dq", lambda: _launch(
+            _attention.dense_grad_dq, useful, 4, *common, w["kt"], w["krow"], w["vt"],
+            plan.atten_mask, st("dq"), w["scratch"], w["index"], plan.G, plan.row, scale)))
+    order = []
+
+    def rank():
+        _attention.chunk_work(ranges, plan.q_starts, plan.chunk_starts, w["work"])
+        # the threads take the owners with the most rows first (ties by index)
+        work = np.repeat(w["work"][:-1], plan.N2)
+        order[:] = [np.argsort(-work, kind="stable")]
+
+    steps.append(("order", rank))
+    steps.append(("dk dv", lambda: _launch(
+        _attention.dense_grad_dkdv, useful, 1, *common, order[0], w["kt"], w["vt"],
+        plan.atten_mask, st("dk"), st("dv"), w["scratch"], w["index"], plan.G, scale)))
+    return steps

@@ -114,7 +114,7 @@ def _announce(name, dtype):
     """One line for kernel ``name`` compiling for ``dtype``, or for planning helper
     ``name``; the first line of a process also says where the code is kept."""
     global _said_where
-    if name.startswith(("compress_", "reduce_", "select_", "cmp_")):
+    if name.startswith(("compress_", "reduce_", "select_", "cmp_", "dense_")):
         what = f"the kernel {name}" + (f" for {dtype}" if dtype is not None else "")
     else:
         what = f"the planning helper {name}"

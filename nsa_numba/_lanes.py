@@ -10,6 +10,9 @@ instructions:
 =================================== ================================================
 ``lzeros()``, ``lsplat(x)``          all lanes 0, all lanes ``x``
 ``lload(a, i)``, ``lstore(a, i, v)`` ``a[i:i + 16]`` of a 1-D float32 array
+``lload_wide(a, i)``                 the same of float32 or 16-bit storage, widened
+``lstore_narrow(a, i, v)``           ``v`` rounded to ``a``'s float32, bfloat16
+                                     (int16) or float16 (uint16) storage
 ``lfma(acc, w, v)``                  ``w * v + acc`` per lane, rounded once (LLVM's
                                      ``fma``: the same correctly rounded result on
                                      every CPU; a library call where there is no
@@ -121,7 +124,9 @@ def lload(typingctx, arr, i):
 def lload_wide(typingctx, arr, i):
     """``arr[i:i + 16]`` widened to float32 lanes, ``arr`` 1-D float32, or 16-bit
     storage: bfloat16 as int16 (the top half of a float32) or float16 as uint16 (LLVM's
-    ``fpext``). Exact: the lanes hold the elements' values."""
+    ``fpext``). Exact: the lanes hold the elements' values. ``arr`` may be a view of
+    any layout whose 16 elements from ``i`` on are adjacent in memory (the caller
+    checks its stride)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)
             and arr.dtype in (types.float32, types.int16, types.uint16)):
         return None
@@ -152,6 +157,47 @@ def lstore(typingctx, arr, i, value):
     def codegen(context, builder, sig, args):
         ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, i, value), codegen
+
+
+@intrinsic
+def lstore_narrow(typingctx, arr, i, value):
+    """``arr[i:i + 16] = value`` rounded to the storage of 1-D ``arr``: float32 as is;
+    bfloat16 (int16) to nearest even, NaN kept quiet (as ``_halfprec.f32_to_bf16``);
+    float16 (uint16) by LLVM's ``fptrunc`` (nearest even: the caller uses it only
+    where the CPU converts in hardware). Adjacent elements, as for ``lload_wide``."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)
+            and arr.dtype in (types.float32, types.int16, types.uint16) and value == lanes):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        array = context.make_array(aryty)(context, builder, args[0])
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [index],
+                                       wraparound=False)
+        v = args[2]
+        i16 = ir.VectorType(ir.IntType(16), LANES)
+        if aryty.dtype == types.float32:
+            builder.store(v, builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+            return context.get_dummy_value()
+        if aryty.dtype == types.uint16:
+            half = builder.fptrunc(v, ir.VectorType(ir.HalfType(), LANES))
+            builder.store(builder.bitcast(half, i16), builder.bitcast(ptr, i16.as_pointer()),
+                          align=2)
+            return context.get_dummy_value()
+        bits = builder.bitcast(v, _IVEC)
+        c16 = ir.Constant(_IVEC, [16] * LANES)
+        high = builder.lshr(bits, c16)
+        odd = builder.and_(high, ir.Constant(_IVEC, [1] * LANES))
+        bias = builder.add(ir.Constant(_IVEC, [0x7FFF] * LANES), odd)
+        rounded = builder.lshr(builder.add(bits, bias), c16)
+        magnitude = builder.and_(bits, ir.Constant(_IVEC, [0x7FFFFFFF] * LANES))
+        nan = builder.icmp_unsigned(">", magnitude, ir.Constant(_IVEC, [0x7F800000] * LANES))
+        quiet = builder.or_(high, ir.Constant(_IVEC, [0x0040] * LANES))
+        out = builder.trunc(builder.select(nan, quiet, rounded), i16)
+        builder.store(out, builder.bitcast(ptr, i16.as_pointer()), align=2)
         return context.get_dummy_value()
     return types.none(arr, i, value), codegen
 

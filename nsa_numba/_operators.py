@@ -11,7 +11,8 @@ from . import _dispatch
 from ._infer import plan_infer
 from ._pipeline import Operator, register
 from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
-from ._compress_attention import plan_compress_attention, run_compress_attention
+from ._compress_attention import (plan_compress_attention, plan_compress_attention_grad,
+                                  run_compress_attention)
 from ._select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
@@ -66,3 +67,11 @@ COMPRESS_ATTENTION = register(Operator(
     launch=run_compress_attention,
     results=lambda plan: (plan.arrays["attention_out"], plan.arrays["topk"],
                           plan.arrays["softmax_max"], plan.arrays["softmax_sum"])))
+
+#: nsa_compress_attention_grad (torch_npu: npu_fusion_attention_grad, sparse_mode 1):
+#: args (grad, query, key, value, attention_out, softmax_max, softmax_sum, scale_value,
+#: head_num, atten_mask, actual_seq_qlen, actual_cmp_seq_kvlen, dq, dk, dv) -> (dq, dk, dv)
+COMPRESS_ATTENTION_GRAD = register(Operator(
+    name="compress_attention_grad", planner=plan_compress_attention_grad,
+    launch=run_compress_attention,
+    results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))

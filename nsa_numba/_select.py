@@ -271,6 +271,22 @@ def _starts(rules, key, values, total):
     return starts
 
 
+def paired_starts(rules, seq_q, seq_kv, T1, T2):
+    """The ``[B + 1]`` starts of the query and key sequences from their prefix sums,
+    both given (with one value per sequence each) or neither (one sequence)."""
+    op, names = rules.op, rules.names
+    if (seq_q is None) != (seq_kv is None):
+        given, absent = ("seq_q", "seq_kv") if seq_kv is None else ("seq_kv", "seq_q")
+        raise invalid(op, f"{names[given]} and {names[absent]} go together: "
+                          f"{names[given]} was given and {names[absent]} was not")
+    q_starts = _starts(rules, "seq_q", seq_q, T1)
+    kv_starts = _starts(rules, "seq_kv", seq_kv, T2)
+    if q_starts.size != kv_starts.size:
+        raise invalid(op, f"{names['seq_q']} and {names['seq_kv']} must have one value per "
+                          f"sequence each, got {q_starts.size - 1} and {kv_starts.size - 1}")
+    return q_starts, kv_starts
+
+
 def _check_limits(rules, N1, N2, D, Dv, block, count, q_starts, kv_starts, dims, grad):
     """The NPU's tiling limits (strict mode): 561002."""
     op, names = rules.op, rules.names
@@ -428,15 +444,7 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
         raise invalid(op, f"{names['atten_mask']} must be None or an array (only whether "
                           f"it is given matters), got {type(atten_mask).__name__}")
     topk = _topk(rules, topk, (T1, N2, count))
-    if (seq_q is None) != (seq_kv is None):
-        given, absent = ("seq_q", "seq_kv") if seq_kv is None else ("seq_kv", "seq_q")
-        raise invalid(op, f"{names[given]} and {names[absent]} go together: "
-                          f"{names[given]} was given and {names[absent]} was not")
-    q_starts = _starts(rules, "seq_q", seq_q, T1)
-    kv_starts = _starts(rules, "seq_kv", seq_kv, T2)
-    if q_starts.size != kv_starts.size:
-        raise invalid(op, f"{names['seq_q']} and {names['seq_kv']} must have one value per "
-                          f"sequence each, got {q_starts.size - 1} and {kv_starts.size - 1}")
+    q_starts, kv_starts = paired_starts(rules, seq_q, seq_kv, T1, T2)
     if rules.strict:
         _check_limits(rules, N1, N2, D, Dv, block, count, q_starts, kv_starts,
                       GRAD_DIMS if grad else FORWARD_DIMS, grad)
@@ -453,6 +461,35 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
                   q_starts=q_starts, blk_starts=blk_starts.astype(np.int64),
                   block_row=block_row, tails=tails.astype(np.int64), topk=topk)
     return fields, {"query": query, "key": key, "value": value}
+
+
+def check_saved(rules, arrays, grad, attention_out, softmax_max, softmax_sum, shape, dtype):
+    """The checks of an attention gradient's saved forward: ``grad`` and
+    ``attention_out`` of ``shape`` ``(T1, N1, Dv)`` and ``dtype``, the statistics
+    ``[T1, N1, 8]`` float32 (float64 for float64); each added to ``arrays``."""
+    op, names = rules.op, rules.names
+    for k, a in (("grad", grad), ("attention_out", attention_out),
+                 ("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if a is None:
+            raise missing(op, names[k])
+    for k, a in (("grad", grad), ("attention_out", attention_out)):
+        a = _array(rules, k, a, "[T1, N1, Dv]")
+        _same_dtype(rules, k, a, "query", dtype)
+        if a.shape != shape:
+            raise invalid(op, f"{names[k]} must have shape [T1, N1, Dv] = {shape}, got "
+                              f"{a.shape}")
+        arrays[k] = a
+    stat = _stat_dtype(dtype)
+    for k, a in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if not isinstance(a, np.ndarray):
+            raise invalid(op, f"{names[k]} must be a numpy.ndarray, got {type(a).__name__}")
+        if a.dtype != stat:
+            raise invalid(op, f"{names[k]} dtype must be {stat} (the forward's statistics), "
+                              f"got {a.dtype}")
+        if a.ndim != 3 or a.shape[:2] != shape[:2] or a.shape[2] < 1:
+            raise invalid(op, f"{names[k]} must have shape [T1, N1, {STAT_LANES}] = "
+                              f"{(*shape[:2], STAT_LANES)}, got {a.shape}")
+        arrays[k] = a
 
 
 def _is_array(a):
@@ -491,25 +528,8 @@ def plan_select_grad(rules, grad, query, key, value, attention_out, softmax_max,
     fields, arrays = _common(rules, query, key, value, topk, scale, head_num, block, count,
                              atten_mask, seq_q, seq_kv, grad=True)
     dtype = fields["dtype"]
-    T1, N1, Dv = fields["T1"], fields["N2"] * fields["G"], fields["Dv"]
-    for k, a in (("grad", grad), ("attention_out", attention_out)):
-        a = _array(rules, k, a, "[T1, N1, Dv]")
-        _same_dtype(rules, k, a, "query", dtype)
-        if a.shape != (T1, N1, Dv):
-            raise invalid(op, f"{names[k]} must have shape [T1, N1, Dv] = {(T1, N1, Dv)}, "
-                              f"got {a.shape}")
-        arrays[k] = a
-    stat = _stat_dtype(dtype)
-    for k, a in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
-        if not isinstance(a, np.ndarray):
-            raise invalid(op, f"{names[k]} must be a numpy.ndarray, got {type(a).__name__}")
-        if a.dtype != stat:
-            raise invalid(op, f"{names[k]} dtype must be {stat} (the forward's statistics), "
-                              f"got {a.dtype}")
-        if a.ndim != 3 or a.shape[:2] != (T1, N1) or a.shape[2] < 1:
-            raise invalid(op, f"{names[k]} must have shape [T1, N1, {STAT_LANES}] = "
-                              f"{(T1, N1, STAT_LANES)}, got {a.shape}")
-        arrays[k] = a
+    check_saved(rules, arrays, grad, attention_out, softmax_max, softmax_sum,
+                (fields["T1"], fields["N2"] * fields["G"], fields["Dv"]), dtype)
     shapes = {"dq": (arrays["query"].shape, dtype), "dk": (arrays["key"].shape, dtype),
               "dv": (arrays["value"].shape, dtype)}
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (("dq", dq), ("dk", dk),

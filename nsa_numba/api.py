@@ -4,8 +4,8 @@
 from . import _pipeline
 from ._infer import infer_rules
 from ._compress_attention import compress_attention_rules
-from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER, SELECT,
-                         SELECT_GRAD)
+from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, COMPRESS_GRAD,
+                         COMPRESS_INFER, SELECT, SELECT_GRAD)
 from ._plan import Rules
 from ._select import select_rules
 
@@ -263,7 +263,7 @@ def nsa_compress_attention(query, key, value, scale_value, head_num, compress_bl
     Returns ``(attention_out [T1, N1, Dv], topk_indices [T1, N2, c] int32, softmax_max,
     softmax_sum [T1, N1, 8])``, the statistics float32 (float64 for float64 inputs),
     token-major. ``strict``: the NPU's limits (561002) or only what the maths needs.
-    Its gradient is not available yet.
+    Its gradient: :func:`nsa_compress_attention_grad`.
     """
     rules = _CMP_RULES.get(strict) if type(strict) is bool else None
     return _pipeline.call(COMPRESS_ATTENTION,
@@ -273,3 +273,36 @@ def nsa_compress_attention(query, key, value, scale_value, head_num, compress_bl
                            atten_mask, actual_seq_qlen, actual_cmp_seq_kvlen,
                            actual_sel_seq_kvlen, attention_out, topk_indices, softmax_max,
                            softmax_sum))
+
+
+_CMP_GRAD = "nsa_compress_attention_grad"
+_CMP_GRAD_RULES = {strict: compress_attention_rules(_CMP_GRAD, strict=strict)
+                   for strict in (False, True)}
+
+
+def nsa_compress_attention_grad(grad, query, key, value, attention_out, softmax_max,
+                                softmax_sum, scale_value, head_num, *, atten_mask=None,
+                                actual_seq_qlen=None, actual_cmp_seq_kvlen=None, dq=None,
+                                dk=None, dv=None, strict=True):
+    """The gradient of :func:`nsa_compress_attention` for ``query``, ``key`` and
+    ``value`` (the top-k path has none): attention over the sequence's compressed keys
+    masked by ``atten_mask``, what torch_npu computes with its generic attention
+    gradient (``sparse_mode`` 1).
+
+    ``grad`` is the gradient of ``attention_out`` ``[T1, N1, Dv]``; ``attention_out``,
+    ``softmax_max``, ``softmax_sum`` are the forward's outputs (P is rebuilt from the
+    statistics, ``delta = sum grad * attention_out``). A row whose keys are all masked
+    took equal weights: its query gets no gradient, its values ``grad / K``.
+
+    Returns ``(dq, dk, dv)`` in the input dtype, summed in float32 (float64 for float64
+    inputs) and rounded once; dk and dv are computed by the owner of each chunk of keys,
+    so the result is bitwise identical for any thread count. ``strict``: the NPU's
+    limits (N1 <= 256, D <= 768, Dv <= D; 561002). ``dq``, ``dk``, ``dv`` may be given
+    to be written in place.
+    """
+    rules = _CMP_GRAD_RULES.get(strict) if type(strict) is bool else None
+    return _pipeline.call(COMPRESS_ATTENTION_GRAD,
+                          rules or compress_attention_rules(_CMP_GRAD, strict=strict),
+                          (grad, query, key, value, attention_out, softmax_max, softmax_sum,
+                           scale_value, head_num, atten_mask, actual_seq_qlen,
+                           actual_cmp_seq_kvlen, dq, dk, dv))

@@ -12,7 +12,7 @@ import nsa_numba
 from conftest import DTYPES
 from nsa_numba import NsaError
 from nsa_numba import reference as ref
-from test_select_attention import STAT_TOLERANCE, TOLERANCE, _close
+from test_select_attention import STAT_TOLERANCE, TOLERANCE, _close, gradient_floors
 
 L, D_STRIDE, L_SEL = 32, 16, 64            # l, d, l': m = 4 compressed tokens per block
 
@@ -27,7 +27,7 @@ def causal_mask(rows, cols):
 def problem(dtype, q_lengths=(200, 150), N1=8, N2=2, D=32, Dv=16, seed=0):
     """Queries of sequences of ``q_lengths`` tokens over their compressed keys."""
     rng = np.random.default_rng(seed)
-    c_lengths = [(n - L) // D_STRIDE + 1 for n in q_lengths]
+    c_lengths = [max(0, (n - L) // D_STRIDE + 1) for n in q_lengths]
     q = rng.standard_normal((sum(q_lengths), N1, D)).astype(dtype)
     k = rng.standard_normal((sum(c_lengths), N2, D)).astype(dtype)
     v = rng.standard_normal((sum(c_lengths), N2, Dv)).astype(dtype)
@@ -178,3 +178,138 @@ def test_the_workspace_holds_no_weights_matrix():
                            [255, 510], [64, 128], None, None, None, None))
     weights = 8192 * 64 * 255 * 4
     assert plan.workspace_bytes < k.nbytes + v.nbytes + (4 << 20) < weights // 10
+
+
+# -- the gradient ------------------------------------------------------------------------
+
+def grad_check(q, k, v, seqs, atten_mask=None, seed=1, threads=None):
+    """The forward, then its gradient against the float64 reference's exact gradient of
+    attention over the compressed keys; returns (dq, dk, dv)."""
+    N1, D = q.shape[1], q.shape[2]
+    scale = D ** -0.5
+    lens = dict(actual_seq_qlen=seqs["actual_seq_qlen"],
+                actual_cmp_seq_kvlen=seqs["actual_cmp_seq_kvlen"])
+    out, _, smax, ssum = nsa_numba.nsa_compress_attention(
+        q, k, v, scale, N1, L, D_STRIDE, L_SEL, 1, atten_mask=atten_mask, strict=False,
+        **seqs)
+    g = np.random.default_rng(seed).standard_normal(out.shape).astype(q.dtype)
+    if threads is None:
+        got = nsa_numba.nsa_compress_attention_grad(g, q, k, v, out, smax, ssum, scale, N1,
+                                                    atten_mask=atten_mask, strict=False,
+                                                    **lens)
+    else:
+        with nsa_numba.threads(threads):
+            got = nsa_numba.nsa_compress_attention_grad(g, q, k, v, out, smax, ssum, scale,
+                                                        N1, atten_mask=atten_mask,
+                                                        strict=False, **lens)
+    exact = ref.attention_grad(g, q, k, v, scale, atten_mask, lens["actual_seq_qlen"],
+                               lens["actual_cmp_seq_kvlen"])
+    floors = gradient_floors(g, q, k, v, scale)
+    for name, a, want, like, floor in zip(("dq", "dk", "dv"), got, exact, (q, k, v), floors):
+        assert a.dtype == q.dtype and a.shape == like.shape, name
+        _close(a, want, TOLERANCE[q.dtype.name], name, floor)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+def test_gradient_matches_reference_under_the_causal_compressed_mask(dtype):
+    # 1200 and 700 tokens: 74 and 42 compressed keys, more than one chunk of 64
+    q, k, v, seqs, sq, sc, _ = problem(dtype, q_lengths=(1200, 700), N1=4, N2=2)
+    dq, dk, dv = grad_check(q, k, v, seqs, causal_mask(sq, sc))
+    # the first l - 1 positions see no key: equal weights, no gradient to their queries
+    assert (dq[:L - 1].astype(np.float64) == 0).all()
+    assert (dq[1200:1200 + L - 1].astype(np.float64) == 0).all()
+    assert np.abs(dv.astype(np.float64)).min(axis=(1, 2)).max() > 0   # and V gets theirs
+
+
+@pytest.mark.parametrize("shape", [
+    dict(N1=4, N2=4, D=20, Dv=12),         # G = 1, head dims off the 16-lane grid
+    dict(N1=6, N2=2, D=48, Dv=40),         # G = 3
+    dict(N1=16, N2=1, D=64, Dv=64),        # G = 16: one row per owner batch
+    dict(N1=2, N2=1, D=7, Dv=3),           # tiny heads: scalar tails only
+], ids=["G1", "G3", "G16", "tiny"])
+def test_gradient_with_holes_in_the_mask(shape):
+    q, k, v, seqs, sq, sc, _ = problem(np.float32, q_lengths=(1500, 0, 300), seed=2, **shape)
+    rng = np.random.default_rng(3)
+    mask = causal_mask(sq, sc) | (rng.random((sq, sc)) < 0.2)   # holes inside the ranges
+    mask[100:140] = True                                        # rows masked whole
+    mask[200, :] = False                                        # a row that sees the future
+    grad_check(q, k, v, seqs, mask)
+
+
+def test_gradient_without_a_mask():
+    q, k, v, seqs, _, _, _ = problem(np.float64, q_lengths=(900, 400), seed=4)
+    grad_check(q, k, v, seqs)
+
+
+def test_gradient_same_bits_for_any_thread_count():
+    q, k, v, seqs, sq, sc, _ = problem(np.dtype("bfloat16") if "bfloat16" in
+                                       [d.name for d in DTYPES] else np.float16,
+                                       q_lengths=(1300, 500), N1=8, N2=2, seed=6)
+    digests = set()
+    for n in (1, 2, 3):
+        got = grad_check(q, k, v, seqs, causal_mask(sq, sc), threads=n)
+        digests.add(tuple(hashlib.sha256(a.tobytes()).hexdigest() for a in got))
+    assert len(digests) == 1
+
+
+def _grad_call(**change):
+    q, k, v, seqs, sq, sc, _ = problem(np.float32, seed=9)
+    out = np.ones((350, 8, 16), np.float32)
+    stat = np.ones((350, 8, 8), np.float32)
+    call = dict(grad=out.copy(), query=q, key=k, value=v, attention_out=out,
+                softmax_max=stat, softmax_sum=stat.copy(), scale_value=0.3, head_num=8,
+                atten_mask=causal_mask(sq, sc), actual_seq_qlen=seqs["actual_seq_qlen"],
+                actual_cmp_seq_kvlen=seqs["actual_cmp_seq_kvlen"])
+    call.update(change)
+    dq = np.full(q.shape, 7, np.float32)
+    args = [call.pop(key) for key in ("grad", "query", "key", "value", "attention_out",
+                                      "softmax_max", "softmax_sum", "scale_value",
+                                      "head_num")]
+    with pytest.raises(NsaError) as info:
+        nsa_numba.nsa_compress_attention_grad(*args, dq=dq, **call)
+    assert (dq == 7).all()
+    assert str(info.value).startswith("nsa_compress_attention_grad: ")
+    return info.value
+
+
+@pytest.mark.parametrize("change,status,words", [
+    (dict(grad=None), 161001, "grad"),
+    (dict(softmax_sum=None), 161001, "softmax_sum"),
+    (dict(grad=np.ones((350, 8, 15), np.float32)), 161002, "[T1, N1, Dv] = (350, 8, 16)"),
+    (dict(attention_out=np.ones((350, 8, 16), np.float64)), 161002, "dtype must equal"),
+    (dict(softmax_max=np.ones((350, 8, 8), np.float16)), 161002, "float32"),
+    (dict(softmax_max=np.ones((349, 8, 8), np.float32)), 161002, "[T1, N1, 8]"),
+    (dict(actual_cmp_seq_kvlen=None), 161002, "go together"),
+    (dict(actual_cmp_seq_kvlen=[11, 12]), 161002, "end at the token count 19"),
+    (dict(atten_mask=np.zeros((10, 10), bool)), 161002, "cover [200, 11]"),
+    (dict(head_num=4), 161002, "head_num"),
+    (dict(actual_seq_qlen=[200, 350], actual_cmp_seq_kvlen=[0, 19]), 161002,
+     "no compressed keys"),
+], ids=["grad None", "sum None", "grad shape", "out dtype", "stat dtype", "stat shape",
+        "lists together", "kv end", "mask shape", "head_num", "no keys"])
+def test_gradient_bad_arguments(change, status, words):
+    err = _grad_call(**change)
+    assert err.status == status and words in str(err), str(err)
+
+
+def test_gradient_strict_limits():
+    q, k, v, seqs, sq, sc, _ = problem(np.float32, seed=11)
+    err = _grad_call(query=q[..., :8].copy(), key=k[..., :8].copy())
+    assert err.status == 561002 and "Dv = 16 must be <= D = 8" in str(err)
+
+
+def test_the_gradient_workspace_holds_no_weights_matrix():
+    from nsa_numba import _pipeline
+    from nsa_numba._compress_attention import compress_attention_rules
+    from nsa_numba._operators import COMPRESS_ATTENTION_GRAD
+    q = np.zeros((8192, 64, 192), np.float16)
+    k = np.zeros((510, 4, 192), np.float16)
+    v = np.zeros((510, 4, 128), np.float16)
+    o = np.zeros((8192, 64, 128), np.float16)
+    stat = np.zeros((8192, 64, 8), np.float32)
+    plan = _pipeline.plan(COMPRESS_ATTENTION_GRAD, compress_attention_rules("x"),
+                          (o, q, k, v, o, stat, stat, 0.1, 64, None, [4096, 8192], [255, 510],
+                           None, None, None))
+    weights = 8192 * 64 * 255 * 4
+    assert plan.workspace_bytes < 2 * (k.nbytes + v.nbytes) + (4 << 20) < weights // 10

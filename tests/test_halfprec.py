@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nsa_numba import _attention
 from nsa_numba import _halfprec as hp
 from nsa_numba import _simd, _target
 from nsa_numba._jit import jit
@@ -128,6 +129,35 @@ def test_bfloat16_decode_and_encode():
     assert np.array_equal(enc[~NAN], want[~NAN])
     bits = F32.view(np.uint32)[NAN]
     assert np.array_equal(enc[NAN].view(np.uint16), ((bits >> 16) | 0x40).astype(np.uint16))
+
+
+@jit
+def _rows_narrow(a, o):
+    for r in range(o.shape[0]):
+        _attention._narrow_row(a, r * o.shape[1], o[r])
+
+
+@jit
+def _rows_widen(a, o):
+    for r in range(a.shape[0]):
+        _attention._widen_row(a[r], o, r * a.shape[1])
+
+
+@pytest.mark.parametrize("storage", [np.int16, np.uint16, np.float32])
+@pytest.mark.parametrize("step", [1, 2])
+def test_attention_rows_convert_as_the_scalar_path(storage, step):
+    # the attention kernels' row conversions take 16 elements at a time where the
+    # row's elements are adjacent (step 1) and one at a time elsewhere; both give the
+    # bits of the per-element conversion, NaN included
+    values = F32[:F32.size - F32.size % 48]
+    want = _encode(_map_narrow, values, storage)
+    out = np.zeros((values.size // 48, 48 * step), storage)[:, ::step]
+    _rows_narrow(values, out)
+    assert np.array_equal(np.ascontiguousarray(out).reshape(-1).view(np.uint8),
+                          want.view(np.uint8))
+    wide = np.empty(values.size, np.float32)
+    _rows_widen(out, wide)
+    assert np.array_equal(wide.view(np.uint32), _decode(_map_widen, want).view(np.uint32))
 
 
 def test_widen_and_narrow_dispatch_on_storage_type():
