@@ -30,7 +30,9 @@ Selected attention, ``npu_nsa_select_attention`` and ``npu_nsa_select_attention_
 torch_npu's; autograd differentiates it in query, key and value with the gradient
 operator, so the gradients are the explicit call's bits. Its sequence lengths are
 lists (or 1-D tensors, read once in eager code); under ``torch.compile`` a new number
-of sequences compiles a new graph (Dynamo guards on a list's length).
+of sequences compiles a new graph (Dynamo guards on a list's length). Compressed
+attention, ``npu_nsa_compress_attention`` (``torch.ops.nsa_numba.nsa_compress_attention``)
+works the same way, its gradient through ``torch.ops.nsa_numba.nsa_compress_attention_grad``.
 
 Tensors cross to NumPy without copies (bfloat16 through an int16 view); results
 are the NumPy API's, bit for bit. A call uses at most ``torch.get_num_threads()``
@@ -50,13 +52,17 @@ from . import _internals, _pipeline, _seqlens
 from ._errors import invalid, missing
 from ._infer import PY_NAMES as INFER_NAMES
 from ._infer import infer_rules
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
+from ._compress_attention import PY_NAMES as CMP_NAMES
+from ._compress_attention import compress_attention_rules
+from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, COMPRESS_GRAD,
+                         COMPRESS_INFER, SELECT, SELECT_GRAD)
 from ._plan import PY_NAMES, Rules, without_options
 from ._select import PY_NAMES as SELECT_NAMES
 from ._select import select_rules
 
-__all__ = ["npu_nsa_compress", "npu_nsa_compress_grad", "npu_nsa_compress_infer",
-           "npu_nsa_select_attention", "npu_nsa_select_attention_grad", "pad_sequence_ends"]
+__all__ = ["npu_nsa_compress", "npu_nsa_compress_attention", "npu_nsa_compress_grad",
+           "npu_nsa_compress_infer", "npu_nsa_select_attention",
+           "npu_nsa_select_attention_grad", "pad_sequence_ends"]
 
 _FORWARD = "npu_nsa_compress"
 _GRAD = "npu_nsa_compress_grad"
@@ -767,3 +773,148 @@ def npu_nsa_select_attention_grad(grad, query, key, value, attention_out, softma
     grad, query, key, value, attention_out = _autocast(grad, query, key, value, attention_out)
     return tuple(torch.ops.nsa_numba.nsa_select_attention_grad(
         grad, query, key, value, attention_out, softmax_max, softmax_sum, *options))
+
+
+# -- compressed attention ----------------------------------------------------------------
+
+_CMP = "npu_nsa_compress_attention"
+_CMP_GRAD = "nsa_compress_attention_grad"     # the registered gradient operator
+_CMP_RULES = {op: compress_attention_rules(op, names=without_options(CMP_NAMES))
+              for op in (_CMP, _CMP_GRAD)}
+
+
+def _mask_numpy(op, name, t):
+    """A bool or uint8 CPU tensor as a NumPy array (no copy), or None."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise invalid(op, f"{name} must be None or a bool or uint8 torch.Tensor, got "
+                          f"{type(t).__name__}")
+    if not t.is_cpu:
+        raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in (torch.bool, torch.uint8):
+        raise invalid(op, f"{name} dtype must be bool or uint8, got {t.dtype}")
+    return t.numpy()
+
+
+@torch.library.custom_op("nsa_numba::nsa_compress_attention", mutates_args=())
+def _nsa_compress_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            scale_value: float, head_num: int, compress_block_size: int,
+                            compress_stride: int, select_block_size: int,
+                            select_block_count: int, topk_mask: Optional[torch.Tensor],
+                            atten_mask: Optional[torch.Tensor],
+                            actual_seq_qlen: Optional[List[int]],
+                            actual_cmp_seq_kvlen: Optional[List[int]],
+                            actual_sel_seq_kvlen: Optional[List[int]]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _CMP
+    results = _pipeline.call(
+        COMPRESS_ATTENTION, _CMP_RULES[op],
+        (_as_numpy(op, "query", query), _as_numpy(op, "key", key),
+         _as_numpy(op, "value", value), scale_value, head_num, compress_block_size,
+         compress_stride, select_block_size, select_block_count,
+         _mask_numpy(op, "topk_mask", topk_mask), _mask_numpy(op, "atten_mask", atten_mask),
+         actual_seq_qlen, actual_cmp_seq_kvlen, actual_sel_seq_kvlen, None, None, None, None),
+        threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results)
+
+
+@_nsa_compress_attention.register_fake
+def _nsa_compress_attention_fake(query, key, value, scale_value, head_num, compress_block_size,
+                                 compress_stride, select_block_size, select_block_count,
+                                 topk_mask, atten_mask, actual_seq_qlen, actual_cmp_seq_kvlen,
+                                 actual_sel_seq_kvlen):
+    _check_meta(_CMP, ("query", query, 3), ("key", key, 3), ("value", value, 3))
+    T1, N1 = query.shape[0], query.shape[1]
+    stats = query.new_empty((T1, N1, 8), dtype=_stat_dtype(query))
+    topk = query.new_empty((T1, key.shape[1], select_block_count), dtype=torch.int32)
+    return (query.new_empty((T1, N1, value.shape[2])), topk, stats, torch.empty_like(stats))
+
+
+@torch.library.custom_op("nsa_numba::nsa_compress_attention_grad", mutates_args=())
+def _nsa_compress_attention_grad(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, attention_out: torch.Tensor,
+                                 softmax_max: torch.Tensor, softmax_sum: torch.Tensor,
+                                 scale_value: float, head_num: int,
+                                 atten_mask: Optional[torch.Tensor],
+                                 actual_seq_qlen: Optional[List[int]],
+                                 actual_cmp_seq_kvlen: Optional[List[int]]
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _CMP_GRAD
+    named = (("grad", grad), ("query", query), ("key", key), ("value", value),
+             ("attention_out", attention_out), ("softmax_max", softmax_max),
+             ("softmax_sum", softmax_sum))
+    arrays = [_as_numpy(op, name, t) for name, t in named]
+    results = _pipeline.call(
+        COMPRESS_ATTENTION_GRAD, _CMP_RULES[op],
+        (*arrays, scale_value, head_num, _mask_numpy(op, "atten_mask", atten_mask),
+         actual_seq_qlen, actual_cmp_seq_kvlen, None, None, None),
+        threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results)
+
+
+@_nsa_compress_attention_grad.register_fake
+def _nsa_compress_attention_grad_fake(grad, query, key, value, attention_out, softmax_max,
+                                      softmax_sum, scale_value, head_num, atten_mask,
+                                      actual_seq_qlen, actual_cmp_seq_kvlen):
+    _check_meta(_CMP_GRAD, ("query", query, 3), ("key", key, 3), ("value", value, 3),
+                ("grad", grad, 3))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (query, key, value))
+
+
+def _cmp_setup(ctx, inputs, output):
+    (query, key, value, scale, head_num, _, _, _, _, _, atten_mask, seq_q, seq_kv,
+     _) = inputs
+    out, topk, smax, ssum = output
+    ctx.save_for_backward(query, key, value, atten_mask, out, smax, ssum)
+    ctx.options = (scale, head_num)
+    ctx.lengths = (seq_q, seq_kv)
+    ctx.mark_non_differentiable(topk, smax, ssum)
+
+
+def _cmp_backward(ctx, grad, _topk_grad, _max_grad, _sum_grad):
+    query, key, value, atten_mask, out, smax, ssum = ctx.saved_tensors
+    if grad is None or not any(ctx.needs_input_grad[:3]):
+        return (None,) * 14
+    dq, dk, dv = torch.ops.nsa_numba.nsa_compress_attention_grad(
+        grad, query, key, value, out, smax, ssum, *ctx.options, atten_mask, *ctx.lengths)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None,
+            dv if need[2] else None) + (None,) * 11
+
+
+_nsa_compress_attention.register_autograd(_cmp_backward, setup_context=_cmp_setup)
+
+
+def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compress_block_size,
+                               compress_stride, select_block_size, select_block_count, *,
+                               topk_mask=None, atten_mask=None, actual_seq_qlen=None,
+                               actual_cmp_seq_kvlen=None, actual_sel_seq_kvlen=None):
+    """torch_npu.npu_nsa_compress_attention on the CPU: ``(attention_out, topk_indices,
+    softmax_max, softmax_sum)``; differentiable in query, key and value (the indices and
+    the statistics are not), through ``torch.ops.nsa_numba.nsa_compress_attention_grad``.
+    See ``nsa_numba.nsa_compress_attention`` for the semantics and the rules, which are
+    the strict ones here. ``atten_mask``, ``topk_mask``: bool or uint8 tensors (1 =
+    masked, 1 = forced); the three length lists: prefix sums (lists, tuples or 1-D
+    integer tensors), all or none. Registered as
+    ``torch.ops.nsa_numba.nsa_compress_attention``. Cast under autocast as
+    ``npu_nsa_compress`` is."""
+    op = _CMP
+    _require_tensors(op, query=query, key=key, value=value)
+    for name, mask in (("topk_mask", topk_mask), ("atten_mask", atten_mask)):
+        if mask is not None:
+            _mask_numpy(op, name, mask)
+    if isinstance(scale_value, bool) or not isinstance(scale_value, (int, float)):
+        raise invalid(op, f"scale_value must be a real number, got {scale_value!r} "
+                          f"({type(scale_value).__name__})")
+    ints = [_check_int(op, name, v) for name, v in (
+        ("head_num", head_num), ("compress_block_size", compress_block_size),
+        ("compress_stride", compress_stride), ("select_block_size", select_block_size),
+        ("select_block_count", select_block_count))]
+    lengths = [_seq_list(op, name, v) for name, v in (
+        ("actual_seq_qlen", actual_seq_qlen), ("actual_cmp_seq_kvlen", actual_cmp_seq_kvlen),
+        ("actual_sel_seq_kvlen", actual_sel_seq_kvlen))]
+    query, key, value = _autocast(query, key, value)
+    return tuple(torch.ops.nsa_numba.nsa_compress_attention(
+        query, key, value, float(scale_value), *ints, topk_mask, atten_mask, *lengths))
