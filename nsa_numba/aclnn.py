@@ -2,7 +2,8 @@
 
 Code written against CANN's ``aclnnNsaCompress`` / ``aclnnNsaCompressGrad`` /
 ``aclnnNsaCompressWithCache`` / ``aclnnNsaSelectedAttention`` /
-``aclnnNsaSelectedAttentionGrad`` runs unchanged and fails the same way:
+``aclnnNsaSelectedAttentionGrad`` / ``aclnnNsaCompressAttention`` runs unchanged and
+fails the same way:
 
 1. ``aclnn...GetWorkspaceSize(...)`` validates every argument against the NPU's
    documented constraints and returns ``(status, workspace_size, executor)``;
@@ -21,10 +22,13 @@ read). An unexpected internal exception becomes ``ACLNN_ERR_INNER`` with its
 message. On any failure no output element changes.
 
 The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad`` /
-``nsa_compress_infer`` / ``nsa_select_attention`` / ``_grad`` in strict mode
-(``_plan``, ``_infer``, ``_select``), with the C parameter names, float16 / bfloat16
-only, and int32 ``slotMapping`` / ``blockTableOptional`` / ``topkIndices``; selected
-attention also takes ``inputLayout`` "TND" only and ``sparseMode`` 0 or 2.
+``nsa_compress_infer`` / ``nsa_select_attention`` / ``_grad`` /
+``nsa_compress_attention`` in strict mode (``_plan``, ``_infer``, ``_select``,
+``_compress_attention``), with the C parameter names, float16 / bfloat16 only, and
+int32 ``slotMapping`` / ``blockTableOptional`` / ``topkIndices``; selected attention
+also takes ``inputLayout`` "TND" only and ``sparseMode`` 0 or 2, compressed attention
+"TND" and 0 or 1. Compressed attention has no gradient operator on the NPU (torch_npu
+differentiates it with its generic attention gradient), so none here.
 The with-cache operator returns 561002 (``ACLNN_ERR_INNER_TILING_ERROR``) for what
 the NPU's tiling rejects, as the NPU does.
 """
@@ -39,7 +43,9 @@ from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_P
                       ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
 from ._infer import infer_rules
 from ._errors import invalid
-from ._operators import COMPRESS, COMPRESS_GRAD, COMPRESS_INFER, SELECT, SELECT_GRAD
+from ._compress_attention import compress_attention_rules
+from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER, SELECT,
+                         SELECT_GRAD)
 from ._plan import BFLOAT16, FLOAT16, Rules, overlaps
 from ._select import select_rules
 
@@ -52,6 +58,7 @@ __all__ = [
     "ACLNN_ERR_INNER_TILING_ERROR",
     "aclnnNsaSelectedAttentionGetWorkspaceSize", "aclnnNsaSelectedAttention",
     "aclnnNsaSelectedAttentionGradGetWorkspaceSize", "aclnnNsaSelectedAttentionGrad",
+    "aclnnNsaCompressAttentionGetWorkspaceSize", "aclnnNsaCompressAttention",
     "aclGetRecentErrMsg", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor",
     "aclOpExecutor",
 ]
@@ -99,6 +106,18 @@ SELECT_GRAD_RULES = select_rules(
                dv="dvOut"),
     dtypes=(FLOAT16, BFLOAT16), index_dtype=np.dtype(np.int32), strict=True,
     allocate_outputs=False)
+
+CMP_RULES = compress_attention_rules(
+    "aclnnNsaCompressAttentionGetWorkspaceSize",
+    names=dict(query="query", key="key", value="value", scale="scaleValue", head_num="headNum",
+               block="compressBlockSize", stride="compressStride",
+               select_block="selectBlockSize", count="selectBlockCount",
+               topk_mask="topkMaskOptional", atten_mask="attenMaskOptional",
+               seq_q="actualSeqQLenOptional", seq_kv="actualCmpSeqKvLenOptional",
+               seq_sel="actualSelSeqKvLenOptional", attention_out="attentionOutOut",
+               topk="topkIndicesOut", softmax_max="softmaxMaxOut",
+               softmax_sum="softmaxSumOut"),
+    dtypes=(FLOAT16, BFLOAT16), strict=True, allocate_outputs=False)
 
 _errors = threading.local()
 
@@ -189,14 +208,20 @@ def aclnnNsaCompressWithCacheGetWorkspaceSize(input, weight, slotMapping, actSeq
                                layoutOptional, outputCache)
 
 
+def _layout_and_mode(rules, inputLayout, sparseMode, modes, meaning):
+    """NsaError for a layout other than TND or a sparseMode not in ``modes``."""
+    if not (isinstance(inputLayout, str) and inputLayout == "TND"):
+        raise invalid(rules.op, f"inputLayout must be 'TND', got {inputLayout!r}")
+    if isinstance(sparseMode, (bool, np.bool_)) or sparseMode not in modes:
+        raise invalid(rules.op, f"sparseMode must be {' or '.join(map(str, modes))} "
+                                f"({meaning}), got {sparseMode!r}")
+
+
 def _select_mask(rules, inputLayout, sparseMode, attenMaskOptional):
     """The mask the planner gets (causal only with sparseMode 2 and a mask), or NsaError
     for a layout other than TND or a sparseMode other than 0 and 2."""
-    if not (isinstance(inputLayout, str) and inputLayout == "TND"):
-        raise invalid(rules.op, f"inputLayout must be 'TND', got {inputLayout!r}")
-    if isinstance(sparseMode, (bool, np.bool_)) or sparseMode not in (0, 2):
-        raise invalid(rules.op, f"sparseMode must be 0 or 2 (2: causal when "
-                                f"attenMaskOptional is given), got {sparseMode!r}")
+    _layout_and_mode(rules, inputLayout, sparseMode, (0, 2),
+                     "2: causal when attenMaskOptional is given")
     return attenMaskOptional if sparseMode == 2 else None
 
 
@@ -239,6 +264,31 @@ def aclnnNsaSelectedAttentionGradGetWorkspaceSize(query, key, value, attentionOu
                                scaleValue, headNum, selectedBlockSize, selectedBlockCount,
                                mask, actualSeqQLenOptional, actualSeqKvLenOptional, dqOut,
                                dkOut, dvOut)
+
+
+def aclnnNsaCompressAttentionGetWorkspaceSize(query, key, value, attenMaskOptional,
+                                              topkMaskOptional, actualSeqQLenOptional,
+                                              actualCmpSeqKvLenOptional,
+                                              actualSelSeqKvLenOptional, scaleValue, headNum,
+                                              inputLayout, sparseMode, compressBlockSize,
+                                              compressStride, selectBlockSize,
+                                              selectBlockCount, softmaxMaxOut, softmaxSumOut,
+                                              attentionOutOut, topkIndicesOut):
+    """Phase one of compressed attention: validate, plan. -> (status, workspace_size,
+    executor). Masks bool or uint8 (1 = masked, 1 = forced), the length lists prefix
+    sums, ``topkIndicesOut`` int32 ``[T1, N2, selectBlockCount]``; ``sparseMode`` 0 or
+    1 (torch_npu passes 1), the mask applying whenever it is given."""
+    try:
+        _layout_and_mode(CMP_RULES, inputLayout, sparseMode, (0, 1),
+                         "the mask applies when given")
+    except NsaError as err:
+        return _fail(err.status, str(err)), 0, None
+    return _get_workspace_size(CMP_RULES, COMPRESS_ATTENTION, query, key, value, scaleValue,
+                               headNum, compressBlockSize, compressStride, selectBlockSize,
+                               selectBlockCount, topkMaskOptional, attenMaskOptional,
+                               actualSeqQLenOptional, actualCmpSeqKvLenOptional,
+                               actualSelSeqKvLenOptional, attentionOutOut, topkIndicesOut,
+                               softmaxMaxOut, softmaxSumOut)
 
 
 def _check_run(op, kind, workspace, workspace_size, executor, stream):
@@ -311,7 +361,8 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
 #: the operator each plan kind belongs to
 _OPERATORS = {"forward": "aclnnNsaCompress", "grad": "aclnnNsaCompressGrad",
               "infer": "aclnnNsaCompressWithCache", "select": "aclnnNsaSelectedAttention",
-              "select_grad": "aclnnNsaSelectedAttentionGrad"}
+              "select_grad": "aclnnNsaSelectedAttentionGrad",
+              "compress_attention": "aclnnNsaCompressAttention"}
 
 
 def aclnnNsaCompress(workspace, workspaceSize, executor, stream=None):
@@ -341,6 +392,13 @@ def aclnnNsaSelectedAttentionGrad(workspace, workspaceSize, executor, stream=Non
     """Phase two of the selected-attention gradient: compute ``dqOut``, ``dkOut`` and
     ``dvOut``. -> status."""
     return _run("aclnnNsaSelectedAttentionGrad", "select_grad", workspace, workspaceSize,
+                executor, stream)
+
+
+def aclnnNsaCompressAttention(workspace, workspaceSize, executor, stream=None):
+    """Phase two of compressed attention: compute ``attentionOutOut``, ``topkIndicesOut``,
+    ``softmaxMaxOut`` and ``softmaxSumOut``. -> status."""
+    return _run("aclnnNsaCompressAttention", "compress_attention", workspace, workspaceSize,
                 executor, stream)
 
 
