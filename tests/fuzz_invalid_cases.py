@@ -23,6 +23,8 @@ from nsa_numba import NsaError
 from nsa_numba.aclnn import (ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
                              ACLNN_SUCCESS, aclDestroyAclOpExecutor, aclGetRecentErrMsg,
                              aclnnNsaCompress, aclnnNsaCompressGetWorkspaceSize,
+                             aclnnNsaCompressAttention,
+                             aclnnNsaCompressAttentionGetWorkspaceSize,
                              aclnnNsaCompressGrad, aclnnNsaCompressGradGetWorkspaceSize,
                              aclnnNsaSelectedAttention,
                              aclnnNsaSelectedAttentionGetWorkspaceSize,
@@ -814,4 +816,170 @@ def test_invalid_selected_attention_is_rejected_by_both_apis(call):
     assert status in SELECT_REJECTED, (status, aclGetRecentErrMsg())
     message = aclGetRecentErrMsg()
     assert any(name in message for name in SELECT_C_PARAMS), message
+    _assert_unchanged(snapshot)
+
+
+# -- compressed attention --------------------------------------------------------------------
+
+CMP_PY_PARAMS = ["query", "key", "value", "scale_value", "head_num", "compress_block_size",
+                 "compress_stride", "select_block_size", "select_block_count", "topk_mask",
+                 "atten_mask", "actual_seq_qlen", "actual_cmp_seq_kvlen",
+                 "actual_sel_seq_kvlen", "attention_out", "topk_indices", "softmax_max",
+                 "softmax_sum", "grad", "dq", "dk", "dv", "N1", "N2", "Dv"]
+CMP_C_PARAMS = ["query", "key", "value", "scaleValue", "headNum", "compressBlockSize",
+                "compressStride", "selectBlockSize", "selectBlockCount", "topkMaskOptional",
+                "attenMaskOptional", "actualSeqQLenOptional", "actualCmpSeqKvLenOptional",
+                "actualSelSeqKvLenOptional", "attentionOutOut", "topkIndicesOut",
+                "softmaxMaxOut", "softmaxSumOut", "N1", "N2", "Dv"]
+CMP_ARRAYS = {"forward": ("query", "key", "value", "atten_mask", "topk_mask",
+                          "attention_out", "topk", "softmax_max", "softmax_sum"),
+              "grad": ("grad", "query", "key", "value", "attention_out", "softmax_max",
+                       "softmax_sum", "atten_mask", "dq", "dk", "dv")}
+CMP_OUTPUTS = {"forward": ("attention_out", "topk", "softmax_max", "softmax_sum"),
+               "grad": ("dq", "dk", "dv")}
+
+
+@st.composite
+def valid_cmp_calls(draw):
+    """A valid strict float16/bfloat16 compressed-attention call (forward or gradient),
+    outputs given: l 32, d 16, l' 64, the causal compressed mask."""
+    op = draw(st.sampled_from(["forward", "grad"]))
+    dtype = np.dtype(draw(st.sampled_from([np.float16, ml_dtypes.bfloat16])))
+    N2, G = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+    N1, D, Dv = N2 * G, draw(st.sampled_from([16, 32])), 16
+    lengths = [draw(st.integers(96, 200)) for _ in range(draw(st.integers(1, 2)))]
+    cmp = [(n - 32) // 16 + 1 for n in lengths]
+    sel = [-(-c // 4) for c in cmp]
+    rng = np.random.default_rng(draw(st.integers(0, 99)))
+    T, Tc = sum(lengths), sum(cmp)
+    mask = np.arange(max(cmp))[None, :] * 16 + 31 > np.arange(max(lengths))[:, None]
+    call = dict(op=op, query=rng.standard_normal((T, N1, D)).astype(dtype),
+                key=rng.standard_normal((Tc, N2, D)).astype(dtype),
+                value=rng.standard_normal((Tc, N2, Dv)).astype(dtype), scale=0.25,
+                head_num=N1, block=32, stride=16, select_block=64,
+                count=draw(st.integers(1, min(sel))), atten_mask=mask,
+                topk_mask=np.zeros((max(lengths), max(sel)), np.bool_),
+                seq_q=np.cumsum(lengths).tolist(), seq_kv=np.cumsum(cmp).tolist(),
+                seq_sel=np.cumsum(sel).tolist(),
+                attention_out=np.full((T, N1, Dv), 3, dtype),
+                softmax_max=np.full((T, N1, 8), 3, np.float32),
+                softmax_sum=np.full((T, N1, 8), 3, np.float32))
+    call["topk"] = np.full((T, N2, call["count"]), 3, np.int32)
+    if op == "grad":
+        call.update(grad=np.ones((T, N1, Dv), dtype), dq=np.full((T, N1, D), 3, dtype),
+                    dk=np.full((Tc, N2, D), 3, dtype), dv=np.full((Tc, N2, Dv), 3, dtype))
+    return call
+
+
+@st.composite
+def cmp_mutations(draw):
+    call = draw(valid_cmp_calls())
+    op = call["op"]
+    scalars = ["scale", "head_num", "seq_q", "seq_kv"] + (
+        ["block", "stride", "select_block", "count", "seq_sel"] if op == "forward" else [])
+    key = draw(st.sampled_from(list(CMP_ARRAYS[op]) + scalars))
+    good = call[key]
+    if key in ("atten_mask", "topk_mask"):
+        how = draw(st.sampled_from(["dtype", "small", "ndim", "not-array"]))
+        note(f"{key}: {how}")
+        call[key] = {"dtype": lambda: good.astype(np.float32),
+                     "small": lambda: good[:-1, :-1],
+                     "ndim": lambda: good.reshape(-1),
+                     "not-array": lambda: good.tolist()}[how]()
+    elif isinstance(good, np.ndarray):
+        output = key in CMP_OUTPUTS[op]
+        how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
+                                   + (["alias"] if output else ["none"])))
+        note(f"{key}: {how}")
+        if how == "none":
+            call[key] = None
+        elif how == "not-array":
+            call[key] = draw(NOT_ARRAYS)
+        elif how == "ndim":
+            call[key] = good.reshape(-1)
+        elif how == "dtype":
+            call[key] = good.astype(np.float64 if good.dtype.kind != "V" and
+                                    good.dtype.itemsize != 2 else _other_half(good.dtype))
+        elif how == "shape":
+            axis = draw(st.integers(0, 2))
+            assume(not (key in ("softmax_max", "softmax_sum") and axis == 2))
+            shape = list(good.shape)
+            shape[axis] = draw(st.integers(1, shape[axis] + 20).filter(
+                lambda n: n != good.shape[axis]))
+            call[key] = np.full(shape, 3, good.dtype)
+        else:                            # an output over an input's memory
+            source = call["query"]
+            assume(source.dtype == good.dtype and source.size >= good.size)
+            call[key] = source.reshape(-1)[:good.size].reshape(good.shape)
+    elif key.startswith("seq_"):
+        how = draw(st.sampled_from(["end", "decreasing", "length", "float"]))
+        note(f"{key}: {how}")
+        seq = list(good)
+        if how == "end":
+            seq[-1] += draw(st.sampled_from([-1, 1, 16]))
+        elif how == "decreasing":
+            assume(len(seq) > 1)
+            seq[0] = seq[-1] + 1
+        elif how == "length":
+            seq = seq + [seq[-1]]
+        else:
+            seq[0] = float(seq[0]) + 0.5
+        call[key] = seq
+    else:
+        value = draw(st.sampled_from({
+            "scale": ["1", None, [1.0], True],
+            "head_num": [0, call["head_num"] + 1, 1.0, None],
+            "block": [0, 24, 80, 256, 32.0],
+            "stride": [0, 8, 48, 16.0],
+            "select_block": [0, 16, 56, 256, 64.0],
+            "count": [0, 33, 40, 2.0, None]}[key]))
+        note(f"{key}: {value!r}")
+        call[key] = value
+    return call
+
+
+def _cmp_python(call):
+    if call["op"] == "forward":
+        return nsa_numba.nsa_compress_attention(
+            call["query"], call["key"], call["value"], call["scale"], call["head_num"],
+            call["block"], call["stride"], call["select_block"], call["count"],
+            topk_mask=call["topk_mask"], atten_mask=call["atten_mask"],
+            actual_seq_qlen=call["seq_q"], actual_cmp_seq_kvlen=call["seq_kv"],
+            actual_sel_seq_kvlen=call["seq_sel"], attention_out=call["attention_out"],
+            topk_indices=call["topk"], softmax_max=call["softmax_max"],
+            softmax_sum=call["softmax_sum"])
+    return nsa_numba.nsa_compress_attention_grad(
+        call["grad"], call["query"], call["key"], call["value"], call["attention_out"],
+        call["softmax_max"], call["softmax_sum"], call["scale"], call["head_num"],
+        atten_mask=call["atten_mask"], actual_seq_qlen=call["seq_q"],
+        actual_cmp_seq_kvlen=call["seq_kv"], dq=call["dq"], dk=call["dk"], dv=call["dv"])
+
+
+@given(cmp_mutations())
+def test_invalid_compressed_attention_is_rejected_by_both_apis(call):
+    snapshot = {k: (call[k], call[k].copy()) for k in CMP_ARRAYS[call["op"]]
+                if isinstance(call.get(k), np.ndarray) and call[k].dtype != object}
+    try:
+        _cmp_python(call)
+    except NsaError as err:
+        assert err.status in SELECT_REJECTED, err.status
+        assert any(name in str(err) for name in CMP_PY_PARAMS), str(err)
+        note(str(err))
+    else:
+        raise AssertionError("the Python API accepted an invalid compressed-attention call")
+    _assert_unchanged(snapshot)
+    if call["op"] == "grad":             # no aclnn gradient operator
+        return
+    aclGetRecentErrMsg()
+    status, size, executor = aclnnNsaCompressAttentionGetWorkspaceSize(
+        call["query"], call["key"], call["value"], call["atten_mask"], call["topk_mask"],
+        call["seq_q"], call["seq_kv"], call["seq_sel"], call["scale"], call["head_num"],
+        "TND", 1, call["block"], call["stride"], call["select_block"], call["count"],
+        call["softmax_max"], call["softmax_sum"], call["attention_out"], call["topk"])
+    if status == ACLNN_SUCCESS:
+        aclnnNsaCompressAttention(np.empty(size, np.uint8), size, executor)
+        raise AssertionError("the aclnn mirror accepted an invalid compressed-attention call")
+    message = aclGetRecentErrMsg()
+    assert status in SELECT_REJECTED, (status, message)
+    assert any(name in message for name in CMP_C_PARAMS), message
     _assert_unchanged(snapshot)

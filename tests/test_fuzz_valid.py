@@ -328,7 +328,7 @@ def check_select(p):
         _close(got, want, TOLERANCE[dtype.name], name, floor)
 
 
-# -- compressed attention (forward) ------------------------------------------------------
+# -- compressed attention (forward and gradient) ---------------------------------------
 
 @st.composite
 def compress_attention_problems(draw):
@@ -350,7 +350,7 @@ def compress_attention_problems(draw):
 
 @given(compress_attention_problems())
 def test_generated_compressed_attention_matches_reference(p):
-    from test_compress_attention import STAT_TOLERANCE, TOLERANCE, _close
+    from test_compress_attention import STAT_TOLERANCE, TOLERANCE, _close, gradient_floors
     note(f"problem: {p}")
     rng = np.random.default_rng(p["seed"])
     N1, dtype = p["N2"] * p["G"], p["dtype"]
@@ -374,3 +374,12 @@ def test_generated_compressed_attention_matches_reference(p):
     for t, j, r in zip(*np.nonzero(topk != rtopk)):
         ours, theirs = score[t, j, topk[t, j, r]], score[t, j, rtopk[t, j, r]]
         assert abs(ours - theirs) <= 1e-5 * max(abs(theirs), 1.0), (t, j, r, ours, theirs)
+    # and its gradient, from the outputs as computed
+    g = rng.standard_normal(out.shape).astype(dtype)
+    grads = nsa_numba.nsa_compress_attention_grad(g, q, k, v, out, smax, ssum, 0.3, N1,
+                                                  atten_mask=mask, actual_seq_qlen=seqs[0],
+                                                  actual_cmp_seq_kvlen=seqs[1], strict=False)
+    exact = ref.attention_grad(g, q, k, v, 0.3, mask, seqs[0], seqs[1])
+    floors = gradient_floors(g, q, k, v, 0.3)
+    for name, got, want, floor in zip(("dq", "dk", "dv"), grads, exact, floors):
+        _close(got, want, TOLERANCE[dtype.name], name, floor)
