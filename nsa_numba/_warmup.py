@@ -95,10 +95,14 @@ def _steps(dtype, strided):
         api.nsa_select_attention_grad(out.copy(), q, k, v, out, smax, ssum, topk, 0.2, 2, 16,
                                       2, **kw)
         # compressed attention over 7 compressed keys per sequence (l 32, d 16, l' 64)
-        api.nsa_compress_attention(q, k[:14], v[:14], 0.2, 2, 32, 16, 64, 1,
-                                   atten_mask=np.zeros((64, 7), bool), actual_seq_qlen=ends,
-                                   actual_cmp_seq_kvlen=[7, 14], actual_sel_seq_kvlen=[2, 4],
-                                   strict=False)
+        out, _, smax, ssum = api.nsa_compress_attention(
+            q, k[:14], v[:14], 0.2, 2, 32, 16, 64, 1, atten_mask=np.zeros((64, 7), bool),
+            actual_seq_qlen=ends, actual_cmp_seq_kvlen=[7, 14], actual_sel_seq_kvlen=[2, 4],
+            strict=False)
+        api.nsa_compress_attention_grad(out.copy(), q, k[:14], v[:14], out, smax, ssum, 0.2, 2,
+                                        atten_mask=np.zeros((64, 7), bool),
+                                        actual_seq_qlen=ends, actual_cmp_seq_kvlen=[7, 14],
+                                        strict=False)
 
     width = _simd.WIDTH
     steps = [
@@ -110,7 +114,7 @@ def _steps(dtype, strided):
          lambda: backward(96, 2, 2 * width, grad_view=_contracted)),
         ("decoding", "decoding step, one thread", lambda: decode(2, False)),
         ("decoding", "decoding step, threads", lambda: decode(64, True)),
-        ("attention", "attention: selected, compressed", attention),
+        ("attention", "attention: selected, compressed, with gradients", attention),
     ]
     if strided:
         for name, view in _VIEWS.items():

@@ -190,6 +190,40 @@ def test_a_selected_attention_step_compiles_within_its_budget(cold):
     assert "nsa_numba: compiling" not in cold(code=SELECT_STEP).stderr
 
 
+#: the same for compressed attention: its staging and row ranges, the forward, then
+#: the gradient's dq, the owners' ranking and the owners' kernel
+CMP_BUDGET = ["the kernel dense_stage", "the kernel dense_ranges", "the kernel cmp_forward",
+              "the kernel dense_grad_dq", "the planning helper chunk_work",
+              "the kernel dense_grad_dkdv"]
+
+CMP_STEP = """
+import numpy as np
+import nsa_numba
+rng = np.random.default_rng(0)
+for lengths in ([200, 120], [96, 256]):
+    cmp = [(n - 32) // 16 + 1 for n in lengths]
+    q = rng.standard_normal((sum(lengths), 8, 32)).astype(np.float16)
+    k = rng.standard_normal((sum(cmp), 2, 32)).astype(np.float16)
+    v = rng.standard_normal((sum(cmp), 2, 16)).astype(np.float16)
+    mask = np.arange(max(cmp))[None, :] * 16 + 31 > np.arange(max(lengths))[:, None]
+    seqs = dict(actual_seq_qlen=np.cumsum(lengths), actual_cmp_seq_kvlen=np.cumsum(cmp))
+    out, _, smax, ssum = nsa_numba.nsa_compress_attention(
+        q, k, v, 0.2, 8, 32, 16, 64, 1, atten_mask=mask,
+        actual_sel_seq_kvlen=np.cumsum([-(-c // 4) for c in cmp]), **seqs)
+    nsa_numba.nsa_compress_attention_grad(out, q, k, v, out, smax, ssum, 0.2, 8,
+                                          atten_mask=mask, **seqs)
+"""
+
+
+def test_a_compressed_attention_step_compiles_within_its_budget(cold):
+    lines = cold(code=CMP_STEP).stderr.splitlines()
+    compiled = [line.split(" ", 2)[2].split(" (")[0] for line in lines
+                if line.startswith("nsa_numba: ")]
+    names = [what.removesuffix(" for float16") for what in compiled]
+    assert names == CMP_BUDGET, compiled
+    assert "nsa_numba: compiling" not in cold(code=CMP_STEP).stderr
+
+
 WARMUP_IN_PROCESSES = """
 import io, nsa_numba
 out = io.StringIO()

@@ -1,6 +1,9 @@
 """Memory: no hidden full-size copies, and 64-bit offsets past 2**31 elements."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,6 +26,73 @@ def test_peak_memory_is_the_workspace_plus_a_few_mib():
     result = bench.call_memory(case)
     for op in ("forward", "backward"):
         extra, workspace = result[op]["added"], result[op]["workspace"]
+        assert extra <= workspace + 4 * MiB, (op, extra / MiB, workspace / MiB)
+
+
+CMP_MEMORY = r"""
+import json
+import numpy as np
+import nsa_numba
+from nsa_numba import _pipeline
+from nsa_numba._compress_attention import compress_attention_rules
+from nsa_numba._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+# two sequences of 4096 tokens, 32 query heads over 2 KV heads, the paper's head dims
+rng = np.random.default_rng(0)
+lengths, N1, N2 = [4096, 4096], 32, 2
+cmp = [(n - 32) // 16 + 1 for n in lengths]
+q = rng.standard_normal((8192, N1, 192)).astype(np.float16)
+k = rng.standard_normal((sum(cmp), N2, 192)).astype(np.float16)
+v = rng.standard_normal((sum(cmp), N2, 128)).astype(np.float16)
+mask = np.arange(max(cmp))[None, :] * 16 + 31 > np.arange(4096)[:, None]
+seqs = dict(actual_seq_qlen=[4096, 8192], actual_cmp_seq_kvlen=np.cumsum(cmp).tolist())
+sel = np.cumsum([-(-c // 4) for c in cmp]).tolist()
+out = np.empty((8192, N1, 128), np.float16)
+topk = np.empty((8192, N2, 16), np.int32)
+smax, ssum = (np.empty((8192, N1, 8), np.float32) for _ in range(2))
+g = np.ones_like(out)
+dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+fwd = lambda: nsa_numba.nsa_compress_attention(
+    q, k, v, 0.07, N1, 32, 16, 64, 16, atten_mask=mask, actual_sel_seq_kvlen=sel,
+    attention_out=out, topk_indices=topk, softmax_max=smax, softmax_sum=ssum, **seqs)
+bwd = lambda: nsa_numba.nsa_compress_attention_grad(
+    g, q, k, v, out, smax, ssum, 0.07, N1, atten_mask=mask, dq=dq, dk=dk, dv=dv, **seqs)
+rules = compress_attention_rules("x")
+spaces = {
+    "forward": _pipeline.plan(COMPRESS_ATTENTION, rules, (
+        q, k, v, 0.07, N1, 32, 16, 64, 16, None, mask, seqs["actual_seq_qlen"],
+        seqs["actual_cmp_seq_kvlen"], sel, out, topk, smax, ssum)).workspace_bytes,
+    "backward": _pipeline.plan(COMPRESS_ATTENTION_GRAD, rules, (
+        g, q, k, v, out, smax, ssum, 0.07, N1, mask, seqs["actual_seq_qlen"],
+        seqs["actual_cmp_seq_kvlen"], dq, dk, dv)).workspace_bytes}
+fwd(), bwd()                                   # kernels loaded
+result = {}
+for op, call in (("forward", fwd), ("backward", bwd)):
+    rss = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    call()
+    result[op] = dict(added=status("VmHWM") - rss, workspace=spaces[op])
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+def test_compressed_attention_holds_no_weights_matrix():
+    # the [T, N1, Tc] float32 weights of this problem would be 8192 * 32 * 255 * 4 bytes
+    # (255 MiB); a call adds its workspace and a few MiB, forward and gradient alike
+    child = subprocess.run([sys.executable, "-c", CMP_MEMORY], capture_output=True,
+                           text=True, timeout=900, check=True)
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    for op in ("forward", "backward"):
+        extra, workspace = result[op]["added"], result[op]["workspace"]
+        assert workspace < 16 * MiB, (op, workspace / MiB)
         assert extra <= workspace + 4 * MiB, (op, extra / MiB, workspace / MiB)
 
 
