@@ -940,17 +940,34 @@ def _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt
         _divide(o, g * Dv, Dv, total)
         _narrow_row(o, g * Dv, out[t, j * G + g])
         _add_quotient(psum, first, s, g * lds, span, total)
-    forced = topk_mask.shape[0] > 0
-    for c in range(sel):
-        acc = score.dtype.type(0)
+    _importance(psum, nk, first, first + span, m, n, score, sel)
+    if topk_mask.shape[0] > 0:
+        for c in range(sel):
+            if topk_mask[pos, c]:
+                score[c] = np.inf
+    _top(score, sel, count, taken)
+    for r in range(count):
+        topk[t, j, r] = taken[r]
+
+
+@jit
+def _importance(psum, nk, first, end, m, n, score, sel):
+    """``score[c] = sum_i w_i psum[m (c + 1) - i]`` for the ``sel`` blocks, ``i < m + n -
+    1``, ``w_i = min(i + 1, n, m + n - 1 - i)``, keys outside ``[0, nk)`` left out, in
+    ``i`` order; ``psum`` is zero outside ``[first, end)``, so the blocks whose keys all
+    lie outside score 0 without a sum."""
+    lo = max(0, (first - 1) // m)
+    hi = min(sel, (end + n - 3) // m + 1)
+    score[:lo] = 0
+    score[hi:sel] = 0
+    zero = score.dtype.type(0)
+    for c in range(lo, hi):
+        acc = zero
         for i in range(m + n - 1):
             k = m * (c + 1) - i
             if 0 <= k < nk:
                 acc = fma(score.dtype.type(min(i + 1, n, m + n - 1 - i)), psum[k], acc)
-        score[c] = np.inf if forced and topk_mask[pos, c] else acc
-    _top(score, sel, count, taken)
-    for r in range(count):
-        topk[t, j, r] = taken[r]
+        score[c] = acc
 
 
 @jit

@@ -367,7 +367,7 @@ def compress_attention_steps(plan, workspace=None, threads=None):
                                         plan.q_starts, plan.kv_starts, ranges))]
     if plan.op == "compress_attention":
         steps.append(("forward", lambda: _launch(
-            _attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
+            _attention.cmp_forward, useful, 32, st("query"), plan.q_starts, plan.kv_starts,
             plan.chunk_starts, plan.sel_starts, ranges, w["kt"], w["vrow"], plan.atten_mask,
             plan.topk_mask, st("attention_out"), plan.arrays["topk"],
             plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],

@@ -1,21 +1,24 @@
-"""``bench --select``: selected attention, forward and gradient, against the machine's
-float32 matrix-multiply rate measured in the same run and a PyTorch implementation of
-the same semantics.
+"""``bench --select`` and ``bench --compress-attention``: selected and compressed
+attention, forward and gradient, against the machine's float32 matrix-multiply rate
+measured in the same run and PyTorch implementations of the same semantics.
 
-FLOPs count the keys a query actually attends to (``cases.visible_keys``: whole
-blocks before its own, and its own block up to its position), times 2 per multiply-
-add: the forward's two products (scores over D, the values' weighted sum over Dv),
-``2 G (D + Dv)`` per visible key and KV head; the gradient's five (scores again, dP,
-dq, dk, dv), ``2 G (3 D + 2 Dv)``."""
+FLOPs count the keys a query actually attends to (selected attention:
+``cases.visible_keys``, whole blocks before its own and its own block up to its
+position; compressed attention: ``cases.cmp_visible``, the compressed keys whose
+window has ended), times 2 per multiply-add: the forward's two products (scores over
+D, the values' weighted sum over Dv), ``2 (D + Dv)`` per visible key and query head;
+the gradient's five (scores again, dP, dq, dk, dv), ``2 (3 D + 2 Dv)``. Compressed
+attention's importance scores and top-k are work beyond that count."""
 
 import os
 import time
 
 import numpy as np
 
-from .. import _pipeline, _select, api
-from .._operators import SELECT, SELECT_GRAD
-from .cases import SELECT_CASES, select_problem, visible_keys
+from .. import _compress_attention, _pipeline, _select, api
+from .._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, SELECT, SELECT_GRAD
+from .cases import (CMP_CASES, CMP_WINDOW, SELECT_CASES, cmp_lengths, cmp_problem,
+                    cmp_visible, select_problem, visible_keys)
 from .harness import round_times
 
 #: the square product the matrix-multiply rate is taken from
@@ -150,11 +153,11 @@ def run_select_case(name, dtype, repeat, rate, use_torch, split=False):
 def format_steps(results, rate):
     """``--split``'s table: each launch's median time, and the GFLOP/s (and % of the
     matmul rate) of those that compute."""
-    lines = [f"{'case':<16}{'dtype':<6}{'launch':<20}{'ms':>9}{'GFLOP/s':>9}{'% mm':>6}"]
+    lines = [f"{'case':<16}{'dtype':<6}{'launch':<32}{'ms':>9}{'GFLOP/s':>9}{'% mm':>6}"]
     for r in results:
         for name, step in r.get("steps", {}).items():
             gf = step.get("gflops")
-            lines.append(f"{r['case']:<16}{r['dtype']:<6}{name:<20}{step['s'] * 1e3:9.1f}"
+            lines.append(f"{r['case']:<16}{r['dtype']:<6}{name:<32}{step['s'] * 1e3:9.1f}"
                          + (f"{gf:9.1f}" + (f"{100 * gf / rate:6.0f}" if rate else "")
                             if gf else ""))
     return "\n".join(lines)
@@ -174,4 +177,137 @@ def format_select(results):
             return (f"{r[kind + '_s'] * 1e3:{10 if kind == 'backward' else 9}.1f}"
                     f"{r[kind + '_gflops']:9.1f}{pct}{speed}")
         lines.append(f"{r['case']:<16}{r['dtype']:<6}{part('forward')}{part('backward')}")
+    return "\n".join(lines)
+
+
+# -- compressed attention ----------------------------------------------------------------
+
+def torch_compress_attention(q, k, v, mask, lists, scale, count, chunk=256):
+    """(forward s, forward + backward s) of compressed attention written in PyTorch
+    over chunks of ``chunk`` queries of a sequence: scores against the sequence's
+    compressed keys, the mask, softmax in float32, the values' sum; the group's weights
+    through the importance window as one product with a ``[Tc, blocks]`` weight matrix,
+    ``torch.topk``; autograd for the gradient (each chunk's backward right after its
+    forward, as a training step that fits in memory would)."""
+    import torch
+    from ..reference import importance_weights
+    w = CMP_WINDOW
+    tq, tk, tv = (torch.from_numpy(a.astype(np.float32)) for a in (q, k, v))
+    tmask = torch.from_numpy(np.asarray(mask, bool))
+    T, N1, D = tq.shape
+    N2 = tk.shape[1]
+    G = N1 // N2
+    q_ends, kv_ends = lists["actual_seq_qlen"], lists["actual_cmp_seq_kvlen"]
+    seqs = list(zip([0] + q_ends[:-1], q_ends, [0] + kv_ends[:-1], kv_ends))
+    weights = {}
+    for _, _, k0, k1 in seqs:
+        if k1 - k0 not in weights:
+            weights[k1 - k0] = torch.from_numpy(importance_weights(
+                k1 - k0, w["block"], w["stride"], w["select_block"]).T.astype(np.float32))
+
+    def chunk_out(q0, a, b, k0, k1, qq, kk, vv):
+        s = torch.einsum("cjgd,kjd->cjgk", qq[a:b].view(b - a, N2, G, D), kk[k0:k1]) * scale
+        s = s.masked_fill(tmask[a - q0:b - q0, None, None, :k1 - k0],
+                          float(np.finfo(np.float32).min))
+        p = s.softmax(-1)
+        score = p.detach().sum(2) @ weights[k1 - k0]                   # [C, N2, blocks]
+        score.topk(count, -1)
+        return torch.einsum("cjgk,kje->cjge", p, vv[k0:k1])
+
+    def forward():
+        with torch.no_grad():
+            for q0, q1, k0, k1 in seqs:
+                for a in range(q0, q1, chunk):
+                    chunk_out(q0, a, min(q1, a + chunk), k0, k1, tq, tk, tv)
+
+    def both():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (tq, tk, tv))
+        for q0, q1, k0, k1 in seqs:
+            for a in range(q0, q1, chunk):
+                chunk_out(q0, a, min(q1, a + chunk), k0, k1, qq, kk, vv).square().sum() \
+                    .backward()
+
+    forward()                           # PyTorch's first calls set things up: untimed
+    times = []
+    for fn in (forward, both):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
+def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
+    """One ``CMP_CASES`` case: medians of ``repeat`` rounds of the forward (with its
+    top-k) and the gradient, outputs given; the workspace each announces (what a call
+    adds to memory: tests/test_memory.py); with ``split`` each launch alone."""
+    lengths, N1, N2, D, Dv, count = CMP_CASES[name]
+    q, k, v, mask, lists, scale = cmp_problem(lengths, N1, N2, D, Dv, dtype)
+    w = CMP_WINDOW
+    args = (scale, N1, w["block"], w["stride"], w["select_block"], count)
+    out = api.nsa_compress_attention(q, k, v, *args, atten_mask=mask, **lists)
+    grad = np.random.default_rng(1).standard_normal(out[0].shape).astype(q.dtype)
+    given = [np.empty_like(a) for a in (q, k, v)]
+    outs = [np.empty_like(a) for a in out]
+    seqs = dict(actual_seq_qlen=lists["actual_seq_qlen"],
+                actual_cmp_seq_kvlen=lists["actual_cmp_seq_kvlen"])
+
+    def forward():
+        api.nsa_compress_attention(q, k, v, *args, atten_mask=mask, attention_out=outs[0],
+                                   topk_indices=outs[1], softmax_max=outs[2],
+                                   softmax_sum=outs[3], **lists)
+
+    def backward():
+        api.nsa_compress_attention_grad(grad, q, k, v, out[0], out[2], out[3], scale, N1,
+                                        atten_mask=mask, dq=given[0], dk=given[1],
+                                        dv=given[2], **seqs)
+
+    t_fwd, t_bwd = (float(np.median(t)) for t in round_times([forward, backward], repeat))
+    keys = cmp_visible(lengths) * N1
+    flops = (2 * keys * (D + Dv), 2 * keys * (3 * D + 2 * Dv))
+    rules = _compress_attention.compress_attention_rules("bench")
+    plans = (_pipeline.plan(COMPRESS_ATTENTION, rules, (
+                 q, k, v, *args, None, mask, *lists.values(), *outs)),
+             _pipeline.plan(COMPRESS_ATTENTION_GRAD, rules, (
+                 grad, q, k, v, out[0], out[2], out[3], scale, N1, mask, *seqs.values(),
+                 *given)))
+    result = dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D, Dv=Dv,
+                  count=count, compressed=cmp_lengths(lengths)[0], forward_s=t_fwd,
+                  backward_s=t_bwd, forward_gflops=flops[0] / t_fwd / 1e9,
+                  backward_gflops=flops[1] / t_bwd / 1e9,
+                  forward_workspace=plans[0].workspace_bytes,
+                  backward_workspace=plans[1].workspace_bytes,
+                  weights_bytes=keys * 4)
+    if rate:
+        result["forward_pct"] = 100 * result["forward_gflops"] / rate
+        result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    if split:
+        steps = [(f"{p.op} {name}", fn) for p in plans
+                 for name, fn in _compress_attention.compress_attention_steps(p)]
+        times = round_times([fn for _, fn in steps], repeat)
+        work = {"compress_attention forward": flops[0],
+                "compress_attention_grad dq": 2 * keys * (2 * D + Dv),
+                "compress_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}
+        result["steps"] = {
+            name: dict(s=float(np.median(t)),
+                       **({"gflops": work[name] / float(np.median(t)) / 1e9} if name in work
+                          else {}))
+            for (name, _), t in zip(steps, times)}
+    if use_torch:
+        ref_fwd, ref_both = torch_compress_attention(q, k, v, mask, lists, scale, count)
+        result["torch_forward_s"] = ref_fwd
+        result["torch_backward_s"] = ref_both - ref_fwd
+        result["forward_speedup"] = ref_fwd / t_fwd
+        result["backward_speedup"] = (ref_both - ref_fwd) / t_bwd
+    return result
+
+
+def format_cmp(results):
+    """The ``--compress-attention`` table: ``format_select``'s columns and each call's
+    workspace (what it adds to memory) beside the float32 weights a PyTorch forward
+    would hold whole."""
+    table = format_select(results).splitlines()
+    lines = [table[0] + f"{'ws MiB':>8}{'weights MiB':>12}"]
+    for r, line in zip(results, table[1:]):
+        ws = max(r["forward_workspace"], r["backward_workspace"]) / 2 ** 20
+        lines.append(line + f"{ws:8.1f}{r['weights_bytes'] / 2 ** 20:12.0f}")
     return "\n".join(lines)

@@ -188,3 +188,58 @@ def select_problem(lengths, N1, N2, D, Dv, block, count, dtype, seed=0, causal=T
     v = rng.standard_normal((T, N2, Dv), np.float32).astype(dtype)
     topk = select_indices(lengths, N2, block, count, rng, causal)
     return q, k, v, topk, D ** -0.5, np.cumsum(lengths).tolist()
+
+
+# -- compressed attention ------------------------------------------------------------------
+
+#: ``--compress-attention`` cases: name -> (sequence lengths, N1, N2, D, Dv, c), with
+#: CMP_WINDOW's blocks and the causal compressed mask
+CMP_CASES = {
+    "paper layer": ((4096, 4096), 64, 4, 192, 128, 16),
+    "small group": ((4096, 4096), 8, 2, 192, 128, 16),
+    "long sequence": ((32768,), 16, 1, 192, 128, 16),
+}
+#: l, d, l' of every case (the paper's)
+CMP_WINDOW = dict(block=32, stride=16, select_block=64)
+
+
+def cmp_lengths(lengths):
+    """(compressed tokens, blocks of raw keys) per sequence of ``lengths`` tokens."""
+    w = CMP_WINDOW
+    cmp = [max(0, (n - w["block"]) // w["stride"] + 1) for n in lengths]
+    m = w["select_block"] // w["stride"]
+    return cmp, [-(-c // m) for c in cmp]
+
+
+def cmp_mask(lengths):
+    """The causal compressed mask: compressed key k is visible to position s iff its
+    window has ended, ``k d + l - 1 <= s``."""
+    cmp, _ = cmp_lengths(lengths)
+    s = np.arange(max(lengths))[:, None]
+    k = np.arange(max(cmp))[None, :]
+    return k * CMP_WINDOW["stride"] + CMP_WINDOW["block"] - 1 > s
+
+
+def cmp_visible(lengths):
+    """(query, compressed key) pairs the causal mask leaves visible, summed over the
+    sequences: the FLOP count's key total per head."""
+    cmp, _ = cmp_lengths(lengths)
+    w = CMP_WINDOW
+    return int(sum(np.minimum(np.maximum((np.arange(n) - w["block"] + 1) // w["stride"] + 1,
+                                         0), c).sum() for n, c in zip(lengths, cmp)))
+
+
+def cmp_problem(lengths, N1, N2, D, Dv, dtype, seed=0):
+    """(query, key, value, atten_mask, lists, scale) of a compressed-attention problem:
+    ``lists`` the three prefix-sum arguments by name."""
+    if isinstance(dtype, str):
+        dtype = numpy_dtype(dtype) if dtype in DTYPES else np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    cmp, blocks = cmp_lengths(lengths)
+    q = rng.standard_normal((sum(lengths), N1, D), np.float32).astype(dtype)
+    k = rng.standard_normal((sum(cmp), N2, D), np.float32).astype(dtype)
+    v = rng.standard_normal((sum(cmp), N2, Dv), np.float32).astype(dtype)
+    lists = dict(actual_seq_qlen=np.cumsum(lengths).tolist(),
+                 actual_cmp_seq_kvlen=np.cumsum(cmp).tolist(),
+                 actual_sel_seq_kvlen=np.cumsum(blocks).tolist())
+    return q, k, v, cmp_mask(lengths), lists, D ** -0.5

@@ -7,8 +7,8 @@ from dataclasses import asdict
 import numba
 
 from .. import _pool
-from .cases import (DEFAULT_SHAPES, DTYPES, INFER_CASES, NON_CONTIGUOUS, OVERHEAD_SHAPE,
-                    SELECT_CASES, Case, numpy_dtype, parse_shape)
+from .cases import (CMP_CASES, DEFAULT_SHAPES, DTYPES, INFER_CASES, NON_CONTIGUOUS,
+                    OVERHEAD_SHAPE, SELECT_CASES, Case, numpy_dtype, parse_shape)
 from .harness import CacheFlush, copy_task, read_task
 from .reports import (format_infer, format_input_reads, format_overhead, format_table,
                       markdown_table, plot_results)
@@ -46,6 +46,8 @@ def main(args):
         return main_infer(args, threads, use_torch)
     if args.select:
         return main_select(args, threads, use_torch)
+    if args.compress_attention:
+        return main_cmp(args, threads, use_torch)
     shapes = args.shape or DEFAULT_SHAPES
     views = ("contiguous",) + (NON_CONTIGUOUS if args.strided else ())
     cases = [Case(*shape, dtype=dt, view=view)
@@ -188,13 +190,45 @@ def main_select(args, threads, use_torch):
           + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
     if args.split:
         print(format_steps(results, rate))
-        print("(each launch alone, planned beforehand: the gradient's dq and dk dv passes "
-              "both recompute the scores and dP, so their FLOPs add up to more than the "
-              "call's)")
+        print(SPLIT_NOTE)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
                            matmul_by=who, select=results), f, indent=2)
+    return 0
+
+
+SPLIT_NOTE = ("(each launch alone, planned beforehand: the gradient's dq and dk dv passes "
+              "both recompute the scores and dP, so their FLOPs add up to more than the "
+              "call's)")
+
+
+def main_cmp(args, threads, use_torch):
+    from .attention import format_cmp, format_steps, matmul_rate, run_cmp_case
+    rate, who = matmul_rate(threads)
+    names = args.compress_attention_case or list(CMP_CASES)
+    cases = [(name, dt) for name in names for dt in args.dtype]
+    results = []
+    for i, (name, dt) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
+        results.append(run_cmp_case(name, dt, args.repeat, rate, use_torch, args.split))
+    print(f"nsa_numba bench --compress-attention: {threads} thread(s); medians of "
+          f"{args.repeat} rounds; "
+          + (f"float32 matrix-multiply rate {rate:.0f} GFLOP/s ({who}, {threads} thread(s), "
+             f"same run)" if rate else "no matrix-multiply rate (neither BLAS ran)"))
+    print(format_cmp(results))
+    print("(FLOPs: 2 per multiply-add over the compressed keys each query sees, the top-k's "
+          "work not counted; % mm: of the rate above; x torch: the PyTorch implementation's "
+          "time over this one's; ws: the larger call's workspace; weights: the [T, N1, Tc] "
+          "float32 matrix of the visible pairs, which no call holds"
+          + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
+    if args.split:
+        print(format_steps(results, rate))
+        print(SPLIT_NOTE)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
+                           matmul_by=who, compress_attention=results), f, indent=2)
     return 0
 
 
@@ -240,6 +274,15 @@ def add_arguments(parser):
                              "PyTorch implementation")
     parser.add_argument("--select-case", action="append", choices=list(SELECT_CASES),
                         help="with --select: only this case (repeatable)")
+    parser.add_argument("--compress-attention", action="store_true",
+                        help="instead: compressed attention (with its top-k) and its "
+                             "gradient, on the paper's layer, a small group and a long "
+                             "sequence (causal compressed mask), against the float32 "
+                             "matrix-multiply rate of the same run and a PyTorch "
+                             "implementation")
+    parser.add_argument("--compress-attention-case", action="append",
+                        choices=list(CMP_CASES),
+                        help="with --compress-attention: only this case (repeatable)")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: the per-call time of the torch functions on a tiny "
                              "problem against the NumPy API and an empty custom op "
