@@ -320,3 +320,36 @@ def test_bench_select_command(tmp_path):
     assert run["matmul_gflops"] > 0
     (result,) = run["select"]
     assert result["case"] == "small group" and 0 < result["forward_pct"] < 100
+
+
+#: a compressed-attention case small enough for a test: (lengths, N1, N2, D, Dv, c)
+TINY_CMP = ((256, 160), 4, 2, 192, 128, 2)
+
+
+def test_compressed_attention_benchmarks_run_once(monkeypatch):
+    from benchmarks import bench_attention
+    from nsa_numba.bench import attention, cases
+    monkeypatch.setitem(cases.CMP_CASES, "tiny", TINY_CMP)
+    bench = bench_attention.CompressedAttention()
+    bench.setup("tiny", "bf16")
+    bench.time_forward("tiny", "bf16")
+    bench.time_backward("tiny", "bf16")
+    use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
+    if use_torch:
+        pytest.importorskip("torch")
+    result = attention.run_cmp_case("tiny", "bf16", 2, 100.0, use_torch, split=True)
+    assert list(result["steps"]) == [
+        "compress_attention stage", "compress_attention ranges", "compress_attention forward",
+        "compress_attention_grad stage", "compress_attention_grad ranges",
+        "compress_attention_grad dq", "compress_attention_grad order",
+        "compress_attention_grad dk dv"]
+    keys = cases.cmp_visible((256, 160)) * 4
+    mask = cases.cmp_mask((256, 160))
+    assert keys == 4 * ((~mask[:256, :15]).sum() + (~mask[:160, :9]).sum())
+    assert result["forward_gflops"] == pytest.approx(2 * keys * 320 / result["forward_s"]
+                                                     / 1e9)
+    assert 0 < result["forward_workspace"] < result["weights_bytes"] + (1 << 20)
+    if use_torch:
+        assert result["forward_speedup"] > 0 and result["backward_speedup"] > 0
+    table = attention.format_cmp([result])
+    assert table.splitlines()[1].startswith("tiny") and "ws MiB" in table

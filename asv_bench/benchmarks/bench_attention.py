@@ -1,5 +1,6 @@
-"""asv benchmarks of selected attention, forward and gradient, on ``python -m nsa_numba
-bench --select``'s cases (the paper's layer, a small group, a long sequence; causal).
+"""asv benchmarks of selected and compressed attention, forward and gradient, on
+``python -m nsa_numba bench --select``'s and ``--compress-attention``'s cases (the
+paper's layer, a small group, a long sequence; causal).
 
 ``time_`` methods time one call with its outputs given; ``track_`` figures (the % of
 the float32 matrix-multiply rate measured in the same run, and the speed-up over the
@@ -9,7 +10,8 @@ are what to track on a shared machine, whose absolute rates drift with its load.
 
 import numpy as np
 
-from nsa_numba import nsa_select_attention, nsa_select_attention_grad
+from nsa_numba import (nsa_compress_attention, nsa_compress_attention_grad,
+                       nsa_select_attention, nsa_select_attention_grad)
 from nsa_numba.bench import attention, cases
 
 PARAMS = [list(cases.SELECT_CASES), ["bf16", "fp16"]]
@@ -73,3 +75,54 @@ class SelectedAttentionRates:
 
     track_forward_pct_of_matmul.unit = track_backward_pct_of_matmul.unit = "%"
     track_forward_x_torch.unit = track_backward_x_torch.unit = "x"
+
+
+CMP_PARAMS = [list(cases.CMP_CASES), ["bf16", "fp16"]]
+
+
+class CompressedAttention:
+    """Compressed attention with its top-k (``bench --compress-attention``'s cases),
+    and its gradient, outputs given."""
+    params = CMP_PARAMS
+    param_names = PARAM_NAMES
+    timeout = 600
+
+    def setup(self, case, dtype):
+        lengths, N1, N2, D, Dv, count = cases.CMP_CASES[case]
+        q, k, v, mask, lists, scale = cases.cmp_problem(lengths, N1, N2, D, Dv, dtype)
+        w = cases.CMP_WINDOW
+        self.args = (q, k, v, scale, N1, w["block"], w["stride"], w["select_block"], count)
+        self.kw = dict(atten_mask=mask, **lists)
+        self.out = nsa_compress_attention(*self.args, **self.kw)   # compiles outside timing
+        self.grad = np.ones_like(self.out[0])
+        self.given = [np.empty_like(a) for a in (q, k, v)]
+        self.seqs = dict(atten_mask=mask, actual_seq_qlen=lists["actual_seq_qlen"],
+                         actual_cmp_seq_kvlen=lists["actual_cmp_seq_kvlen"])
+        self.time_backward(case, dtype)
+
+    def time_forward(self, case, dtype):
+        nsa_compress_attention(*self.args, attention_out=self.out[0],
+                               topk_indices=self.out[1], softmax_max=self.out[2],
+                               softmax_sum=self.out[3], **self.kw)
+
+    def time_backward(self, case, dtype):
+        q, k, v, scale, N1 = self.args[:5]
+        nsa_compress_attention_grad(self.grad, q, k, v, self.out[0], self.out[2],
+                                    self.out[3], scale, N1, dq=self.given[0],
+                                    dk=self.given[1], dv=self.given[2], **self.seqs)
+
+
+class CompressedAttentionRates(SelectedAttentionRates):
+    """% of the float32 matrix-multiply rate and speed-up over PyTorch, per case."""
+    params = CMP_PARAMS
+
+    def setup_cache(self):
+        try:
+            import torch  # noqa: F401
+            use_torch = True
+        except ImportError:
+            use_torch = False
+        import numba
+        rate, _ = attention.matmul_rate(numba.get_num_threads())
+        return {(case, dtype): attention.run_cmp_case(case, dtype, 3, rate, use_torch)
+                for case in CMP_PARAMS[0] for dtype in CMP_PARAMS[1]}
