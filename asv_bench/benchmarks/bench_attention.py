@@ -50,6 +50,8 @@ class SelectedAttentionRates:
     param_names = PARAM_NAMES
     timeout = 3600
 
+    run = staticmethod(attention.run_select_case)
+
     def setup_cache(self):
         try:
             import torch  # noqa: F401
@@ -58,8 +60,8 @@ class SelectedAttentionRates:
             use_torch = False
         import numba
         rate, _ = attention.matmul_rate(numba.get_num_threads())
-        return {(case, dtype): attention.run_select_case(case, dtype, 3, rate, use_torch)
-                for case in PARAMS[0] for dtype in PARAMS[1]}
+        return {(case, dtype): self.run(case, dtype, 3, rate, use_torch)
+                for case in self.params[0] for dtype in self.params[1]}
 
     def track_forward_pct_of_matmul(self, results, case, dtype):
         return results[case, dtype].get("forward_pct", float("nan"))
@@ -115,14 +117,4 @@ class CompressedAttention:
 class CompressedAttentionRates(SelectedAttentionRates):
     """% of the float32 matrix-multiply rate and speed-up over PyTorch, per case."""
     params = CMP_PARAMS
-
-    def setup_cache(self):
-        try:
-            import torch  # noqa: F401
-            use_torch = True
-        except ImportError:
-            use_torch = False
-        import numba
-        rate, _ = attention.matmul_rate(numba.get_num_threads())
-        return {(case, dtype): attention.run_cmp_case(case, dtype, 3, rate, use_torch)
-                for case in CMP_PARAMS[0] for dtype in CMP_PARAMS[1]}
+    run = staticmethod(attention.run_cmp_case)
