@@ -382,6 +382,19 @@ def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
 
 # -- staging --------------------------------------------------------------------------
 
+def _as_staged(x, a, b):
+    """Stored element ``x`` as the staged arrays ``a``, ``b`` (one dtype) hold it: as
+    stored, or widened where they are float32 (exact)."""
+    return x
+
+
+@overload(_as_staged, jit_options=OVERLOAD_OPTIONS)
+def _as_staged_typed(x, a, b):
+    if a.dtype == types.float32 and x in (types.int16, types.uint16):
+        return lambda x, a, b: widen(x)
+    return lambda x, a, b: x
+
+
 @jit
 def _stage_block(k, v, row0, n, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
     """Rows ``row0 .. row0 + n`` of KV head ``j`` into the staged layouts at block
@@ -391,13 +404,13 @@ def _stage_block(k, v, row0, n, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
     Dv = v.shape[2]
     for r in range(n):
         for d in range(D):
-            x = k[row0 + r, j, d]
+            x = _as_staged(k[row0 + r, j, d], kt, krow)
             if kt.size:
                 kt[base_k * lp + d * lp + r] = x
             if krow.size:
                 krow[base_k * l + r * D + d] = x
         for e in range(Dv):
-            x = v[row0 + r, j, e]
+            x = _as_staged(v[row0 + r, j, e], vrow, vt)
             if vrow.size:
                 vrow[base_v * l + r * Dv + e] = x
             if vt.size:
@@ -821,6 +834,9 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
 
 #: keys per staged chunk
 CHUNK = 64
+#: (query token, KV head) units a parallel iteration runs in a row (one thread-id
+#: lookup and one scratch row for all of them)
+UNIT_RUN = 8
 
 
 @jit_parallel
@@ -1040,12 +1056,15 @@ def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vr
                 m, n):
     """Compressed attention with top-k selection, one unit per query token and KV head."""
     T1, N2 = topk.shape[0], topk.shape[1]
-    for unit in prange(T1 * N2):
-        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+    units = T1 * N2
+    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
-        _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
-                  atten_mask, topk_mask, out, topk, smax, ssum, scratch[slot], index[slot],
-                  G, lds, scale, m, n)
+        f, rows = scratch[slot], index[slot]
+        for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
+            j, t = unit // T1, unit % T1          # KV head by KV head: its keys stay in cache
+            _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt,
+                      vrow, atten_mask, topk_mask, out, topk, smax, ssum, f, rows, G, lds,
+                      scale, m, n)
 
 
 # -- dense attention backward -----------------------------------------------------------
@@ -1089,12 +1108,15 @@ def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_start
                   kt, krow, vt, mask, dq, scratch, index, G, lds, scale):
     """The query gradient of dense attention, one unit per token and KV head."""
     T1, N2 = q.shape[0], q.shape[1] // G
-    for unit in prange(T1 * N2):
-        t, j = np.int64(unit) // N2, np.int64(unit) % N2
+    units = T1 * N2
+    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
-        _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
-                       ranges, kt, krow, vt, mask, dq, scratch[slot], index[slot], G, N2, lds,
-                       scale)
+        f, rows = scratch[slot], index[slot]
+        for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
+            j, t = unit // T1, unit % T1          # KV head by KV head: its keys stay in cache
+            _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
+                           chunk_starts, ranges, kt, krow, vt, mask, dq, f, rows, G, N2, lds,
+                           scale)
 
 
 @jit

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _attention, _seqlens
 from ._errors import invalid, tiling
-from ._plan import STORAGE, Rules, kind_of, scratch_slots
+from ._plan import Rules, scratch_slots
 from ._select import (STAT_LANES, AttentionPlan, _int, _launch, _no_overlap, _output,
                       _round16, _scale, _starts, _stat_dtype, check_heads, check_saved,
                       paired_starts)
@@ -126,7 +126,7 @@ class CompressAttentionPlan(_Chunks, AttentionPlan):
         G4 = -(-self.G // 4) * 4
         lds, D, Dv, N2 = self.row, self.D, self.Dv, self.N2
         slots = scratch_slots()
-        st = STORAGE[kind_of(self.dtype)]
+        st = self.accumulator               # keys staged widened: the tile loads them as is
         floats = G4 * (D + lds + Dv) + 2 * lds
         index = max(D, _attention.CHUNK) + lds
         staged = self.chunks * N2 * _attention.CHUNK
@@ -165,7 +165,7 @@ class DenseGradPlan(_Chunks, AttentionPlan):
         lds, D, Dv, N2, C = self.row, self.D, self.Dv, self.N2, _attention.CHUNK
         R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
         slots = scratch_slots()
-        st = STORAGE[kind_of(self.dtype)]
+        st = self.accumulator
         dq_floats = G4 * (D + Dv) + 2 * G4 * lds + 3 * G4 + G4 * D
         owner_floats = R * (D + Dv) + 2 * R * (C + _attention.KEY_ALIGN) + 3 * R + C * (D + Dv)
         index = max(D, Dv, lds, R)
@@ -356,7 +356,7 @@ def compress_attention_steps(plan, workspace=None, threads=None):
     useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
     scale = plan.accumulator.type(plan.scale)
     st = plan.storage
-    empty = np.zeros(0, STORAGE[kind_of(plan.dtype)])
+    empty = np.zeros(0, plan.accumulator)
     staged = (w["kt"], empty, w["vrow"], empty) if plan.op == "compress_attention" else \
         (w["kt"], w["krow"], empty, w["vt"])
     ranges = w["ranges"].reshape(plan.T1, 4)
@@ -367,7 +367,7 @@ def compress_attention_steps(plan, workspace=None, threads=None):
                                         plan.q_starts, plan.kv_starts, ranges))]
     if plan.op == "compress_attention":
         steps.append(("forward", lambda: _launch(
-            _attention.cmp_forward, useful, 32, st("query"), plan.q_starts, plan.kv_starts,
+            _attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
             plan.chunk_starts, plan.sel_starts, ranges, w["kt"], w["vrow"], plan.atten_mask,
             plan.topk_mask, st("attention_out"), plan.arrays["topk"],
             plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
