@@ -34,16 +34,17 @@ from numba import get_thread_id, prange, types
 from numba.extending import overload
 
 from ._halfprec import HARDWARE_HALF, narrow, widen
-from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
+from ._jit import BOUNDSCHECK, OVERLOAD_OPTIONS, jit, jit_parallel
 from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
-from ._lanes import ldiv, lload_wide, lstore, lstore_narrow, lsub, lsum, lzeros
+from ._lanes import ldiv, lload_wide, lload_wide_at, lstore, lstore_narrow_at, lsub, lsum
+from ._lanes import lzeros
 
 # The compile cache is keyed on this file's text only. These digests tie it to the
 # helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
     "_jit.py": "5e2d2922a8cf1971",
-    "_lanes.py": "a8636b3242790772",
+    "_lanes.py": "369a6ee1ab477f44",
 }
 
 #: the score a masked key gets (float32's lowest finite value, as the NPU writes)
@@ -164,98 +165,104 @@ def _mm_typed(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
 
 # -- rows of the operators' arrays ----------------------------------------------------
 #
-# ``row`` is one head's row of a 3-axis input or output (``x[t, h]``, a 1-D view of any
-# layout). Where its elements are adjacent (stride one element, the usual case) these
-# go 16 at a time, else one by one; the results are the same either way.
+# Row ``x[t, h]`` of a 3-axis input or output, addressed by its indices (a view of it
+# would count a reference on ``x``: an atomic operation on memory every thread
+# shares). Where the row's elements are adjacent (the last axis of stride one
+# element, the usual case) these go 16 at a time, else one by one; the results are
+# the same either way.
 
-def _adjacent(row):
-    return row.strides[0] == row.itemsize
-
-
-def _widen_row(row, dst, o):
-    """``dst[o:o + row.size]`` = ``row`` widened to the accumulator type."""
+def _widen_row(x, t, h, dst, o):
+    """``dst[o:o + n]`` = row ``x[t, h]`` (n elements) widened to the accumulator type."""
     raise NotImplementedError
 
 
 @overload(_widen_row, jit_options=OVERLOAD_OPTIONS)
-def _widen_row_typed(row, dst, o):
+def _widen_row_typed(x, t, h, dst, o):
     if dst.dtype == types.float64:
-        def scalar(row, dst, o):
-            for e in range(row.size):
-                dst[o + e] = widen(row[e])
+        def scalar(x, t, h, dst, o):
+            for e in range(x.shape[2]):
+                dst[o + e] = widen(x[t, h, e])
         return scalar
 
-    def lanes(row, dst, o):
-        n = row.size
-        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+    def lanes(x, t, h, dst, o):
+        n = x.shape[2]
+        full = n - n % 16 if x.strides[2] == x.itemsize else 0
         check_lanes(dst, o, n)
         for e in range(0, full, 16):
-            check_lanes(row, e)
-            lstore(dst, o + e, lload_wide(row, e))
+            check_row(x, t, h, e)
+            lstore(dst, o + e, lload_wide_at(x, t, h, e))
         for e in range(full, n):
-            dst[o + e] = widen(row[e])
+            dst[o + e] = widen(x[t, h, e])
     return lanes
 
 
-def _dot_row(a, o, row):
-    """``sum_e a[o + e] * row[e]`` (``row`` widened): in 16 lanes (element ``e`` in lane
+def _dot_row(a, o, x, t, h):
+    """``sum_e a[o + e] * x[t, h, e]`` (widened): in 16 lanes (element ``e`` in lane
     ``e % 16``, each a chain of fused multiply-adds) added in lane order, then the tail
-    of ``size % 16`` in order; or, when ``row``'s elements are not adjacent, and for
+    of ``n % 16`` in order; or, when the row's elements are not adjacent, and for
     float64, one chain in order."""
     raise NotImplementedError
 
 
 @overload(_dot_row, jit_options=OVERLOAD_OPTIONS)
-def _dot_row_typed(a, o, row):
+def _dot_row_typed(a, o, x, t, h):
     if a.dtype == types.float64:
-        def scalar(a, o, row):
+        def scalar(a, o, x, t, h):
             acc = 0.0
-            for e in range(row.size):
-                acc = fma(a[o + e], widen(row[e]), acc)
+            for e in range(x.shape[2]):
+                acc = fma(a[o + e], widen(x[t, h, e]), acc)
             return acc
         return scalar
 
-    def lanes(a, o, row):
-        n = row.size
-        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+    def lanes(a, o, x, t, h):
+        n = x.shape[2]
+        full = n - n % 16 if x.strides[2] == x.itemsize else 0
         check_lanes(a, o, n)
         acc = lzeros()
         for e in range(0, full, 16):
-            check_lanes(row, e)
-            acc = lfma(acc, lload(a, o + e), lload_wide(row, e))
+            check_row(x, t, h, e)
+            acc = lfma(acc, lload(a, o + e), lload_wide_at(x, t, h, e))
         total = lsum(acc) if full else np.float32(0)
         for e in range(full, n):
-            total = fma(a[o + e], widen(row[e]), total)
+            total = fma(a[o + e], widen(x[t, h, e]), total)
         return total
     return lanes
 
 
-def _narrow_row(src, o, row):
-    """``row[:] = src[o:o + row.size]`` rounded once to ``row``'s storage."""
+def _narrow_row(src, o, x, t, h):
+    """Row ``x[t, h]`` = ``src[o:o + n]`` rounded once to ``x``'s storage."""
     raise NotImplementedError
 
 
 @overload(_narrow_row, jit_options=OVERLOAD_OPTIONS)
-def _narrow_row_typed(src, o, row):
+def _narrow_row_typed(src, o, x, t, h):
     vector = src.dtype == types.float32 and (
-        row.dtype in (types.float32, types.int16)
-        or (row.dtype == types.uint16 and HARDWARE_HALF))
+        x.dtype in (types.float32, types.int16)
+        or (x.dtype == types.uint16 and HARDWARE_HALF))
     if not vector:
-        def scalar(src, o, row):
-            for e in range(row.size):
-                row[e] = narrow(src[o + e], row)
+        def scalar(src, o, x, t, h):
+            for e in range(x.shape[2]):
+                x[t, h, e] = narrow(src[o + e], x)
         return scalar
 
-    def lanes(src, o, row):
-        n = row.size
-        full = n - n % 16 if row.strides[0] == row.itemsize else 0
+    def lanes(src, o, x, t, h):
+        n = x.shape[2]
+        full = n - n % 16 if x.strides[2] == x.itemsize else 0
         check_lanes(src, o, n)
         for e in range(0, full, 16):
-            check_lanes(row, e)
-            lstore_narrow(row, e, lload(src, o + e))
+            check_row(x, t, h, e)
+            lstore_narrow_at(x, t, h, e, lload(src, o + e))
         for e in range(full, n):
-            row[e] = narrow(src[o + e], row)
+            x[t, h, e] = narrow(src[o + e], x)
     return lanes
+
+
+@jit
+def check_row(x, t, h, e):
+    """``check_lanes`` for ``x[t, h, e:e + 16]``."""
+    if BOUNDSCHECK:
+        return x[t, h, e] == x[t, h, e + 15]
+    return True
 
 
 # -- softmax pieces ------------------------------------------------------------------
@@ -473,7 +480,7 @@ def _visible(topk, t, j, count, diag, causal, vis):
 def _widen_heads(x, t, h0, G, G4, width, dst):
     """``x[t, h0:h0 + G, :]`` widened into ``dst[:G4 * width]`` (rows past G zero)."""
     for g in range(G):
-        _widen_row(x[t, h0 + g], dst, g * width)
+        _widen_row(x, t, h0 + g, dst, g * width)
     for i in range(G * width, G4 * width):
         dst[i] = 0
 
@@ -531,7 +538,7 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
         _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
     for g in range(G):
         _divide(o, g * Dv, Dv, ssum[t, j * G + g, 0])
-        _narrow_row(o, g * Dv, out[t, j * G + g])
+        _narrow_row(o, g * Dv, out, t, j * G + g)
 
 
 @jit_parallel
@@ -560,7 +567,7 @@ def _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats):
     _widen_heads(grad, t, j * G, G, G4, Dv, dos)
     for g in range(G):
         h = j * G + g
-        delta = _dot_row(dos, g * Dv, out_fwd[t, h])
+        delta = _dot_row(dos, g * Dv, out_fwd, t, h)
         stats[3 * g] = smax[t, h, 0]
         stats[3 * g + 1] = ssum[t, h, 0]
         stats[3 * g + 2] = delta
@@ -651,7 +658,7 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
     for g in range(0, G4, 4):
         _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
     for g in range(G):
-        _narrow_row(acc, g * D, dq[t, j * G + g])
+        _narrow_row(acc, g * D, dq, t, j * G + g)
 
 
 @jit_parallel
@@ -782,8 +789,8 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
         _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
     row0 = block_row[gb]
     for r in range(l):
-        _narrow_row(dkb, r * D, dk[row0 + r, j])
-        _narrow_row(dvb, r * Dv, dv[row0 + r, j])
+        _narrow_row(dkb, r * D, dk, row0 + r, j)
+        _narrow_row(dvb, r * Dv, dv, row0 + r, j)
 
 
 @jit
@@ -954,7 +961,7 @@ def _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt
     for g in range(G):
         total = ssum[t, j * G + g, 0]
         _divide(o, g * Dv, Dv, total)
-        _narrow_row(o, g * Dv, out[t, j * G + g])
+        _narrow_row(o, g * Dv, out, t, j * G + g)
         _add_quotient(psum, first, s, g * lds, span, total)
     _importance(psum, nk, first, first + span, m, n, score, sel)
     if topk_mask.shape[0] > 0:
@@ -1100,7 +1107,7 @@ def _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chun
     for g in range(0, G4, 4):
         _mm(dp, g * lds, lds, 1, span, rows, krow, 0, D, acc, g * D, D, False)
     for g in range(G):
-        _narrow_row(acc, g * D, dq[t, j * G + g])
+        _narrow_row(acc, g * D, dq, t, j * G + g)
 
 
 @jit_parallel
@@ -1169,8 +1176,8 @@ def _dense_owner(u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_sta
         _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
     row0 = kv_starts[b] + first
     for r in range(valid):
-        _narrow_row(dkb, r * D, dk[row0 + r, j])
-        _narrow_row(dvb, r * Dv, dv[row0 + r, j])
+        _narrow_row(dkb, r * D, dk, row0 + r, j)
+        _narrow_row(dvb, r * Dv, dv, row0 + r, j)
 
 
 @jit_parallel

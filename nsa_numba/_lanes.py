@@ -13,6 +13,8 @@ instructions:
 ``lload_wide(a, i)``                 the same of float32 or 16-bit storage, widened
 ``lstore_narrow(a, i, v)``           ``v`` rounded to ``a``'s float32, bfloat16
                                      (int16) or float16 (uint16) storage
+``lload_wide_at(a, t, h, e)``,       the same for ``a[t, h, e:e + 16]`` of a 3-axis
+``lstore_narrow_at(a, t, h, e, v)``  array (no view made)
 ``lfma(acc, w, v)``                  ``w * v + acc`` per lane, rounded once (LLVM's
                                      ``fma``: the same correctly rounded result on
                                      every CPU; a library call where there is no
@@ -120,33 +122,56 @@ def lload(typingctx, arr, i):
     return lanes(arr, i), codegen
 
 
+def _widen_from(builder, aryty, ptr):
+    """16 elements of ``aryty``'s storage from ``ptr`` as float32 lanes."""
+    if aryty.dtype == types.float32:
+        return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+    i16 = ir.VectorType(ir.IntType(16), LANES)
+    bits = builder.load(builder.bitcast(ptr, i16.as_pointer()), align=2)
+    if aryty.dtype == types.uint16:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VEC)
+    wide = builder.shl(builder.zext(bits, _IVEC), ir.Constant(_IVEC, [16] * LANES))
+    return builder.bitcast(wide, _VEC)
+
+
+def _item_pointer(context, builder, sig, args, ndim):
+    aryty = sig.args[0]
+    array = context.make_array(aryty)(context, builder, args[0])
+    index = [context.cast(builder, args[1 + d], sig.args[1 + d], types.intp)
+             for d in range(ndim)]
+    return cgutils.get_item_pointer(context, builder, aryty, array, index, wraparound=False)
+
+
+_STORAGES = (types.float32, types.int16, types.uint16)
+
+
 @intrinsic
 def lload_wide(typingctx, arr, i):
     """``arr[i:i + 16]`` widened to float32 lanes, ``arr`` 1-D float32, or 16-bit
     storage: bfloat16 as int16 (the top half of a float32) or float16 as uint16 (LLVM's
-    ``fpext``). Exact: the lanes hold the elements' values. ``arr`` may be a view of
-    any layout whose 16 elements from ``i`` on are adjacent in memory (the caller
-    checks its stride)."""
+    ``fpext``). Exact: the lanes hold the elements' values."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)
-            and arr.dtype in (types.float32, types.int16, types.uint16)):
+            and arr.dtype in _STORAGES):
         return None
 
     def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        array = context.make_array(aryty)(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [index],
-                                       wraparound=False)
-        if aryty.dtype == types.float32:
-            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-        i16 = ir.VectorType(ir.IntType(16), LANES)
-        bits = builder.load(builder.bitcast(ptr, i16.as_pointer()), align=2)
-        if aryty.dtype == types.uint16:
-            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)),
-                                 _VEC)
-        wide = builder.shl(builder.zext(bits, _IVEC), ir.Constant(_IVEC, [16] * LANES))
-        return builder.bitcast(wide, _VEC)
+        return _widen_from(builder, sig.args[0], _item_pointer(context, builder, sig, args, 1))
     return lanes(arr, i), codegen
+
+
+@intrinsic
+def lload_wide_at(typingctx, arr, t, h, e):
+    """``arr[t, h, e:e + 16]`` of a 3-axis array of any layout, widened as by
+    ``lload_wide``; the caller checks that the last axis is contiguous. No view is
+    made (a view would count a reference on the array, an atomic operation on memory
+    every thread shares)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 3 and arr.dtype in _STORAGES
+            and all(isinstance(x, types.Integer) for x in (t, h, e))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _widen_from(builder, sig.args[0], _item_pointer(context, builder, sig, args, 3))
+    return lanes(arr, t, h, e), codegen
 
 
 @intrinsic
@@ -161,45 +186,60 @@ def lstore(typingctx, arr, i, value):
     return types.none(arr, i, value), codegen
 
 
+def _narrow_to(builder, aryty, ptr, v):
+    """Lanes ``v`` stored at ``ptr`` rounded to ``aryty``'s storage."""
+    i16 = ir.VectorType(ir.IntType(16), LANES)
+    if aryty.dtype == types.float32:
+        builder.store(v, builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        return
+    if aryty.dtype == types.uint16:
+        half = builder.fptrunc(v, ir.VectorType(ir.HalfType(), LANES))
+        builder.store(builder.bitcast(half, i16), builder.bitcast(ptr, i16.as_pointer()),
+                      align=2)
+        return
+    bits = builder.bitcast(v, _IVEC)
+    c16 = ir.Constant(_IVEC, [16] * LANES)
+    high = builder.lshr(bits, c16)
+    odd = builder.and_(high, ir.Constant(_IVEC, [1] * LANES))
+    bias = builder.add(ir.Constant(_IVEC, [0x7FFF] * LANES), odd)
+    rounded = builder.lshr(builder.add(bits, bias), c16)
+    magnitude = builder.and_(bits, ir.Constant(_IVEC, [0x7FFFFFFF] * LANES))
+    nan = builder.icmp_unsigned(">", magnitude, ir.Constant(_IVEC, [0x7F800000] * LANES))
+    quiet = builder.or_(high, ir.Constant(_IVEC, [0x0040] * LANES))
+    out = builder.trunc(builder.select(nan, quiet, rounded), i16)
+    builder.store(out, builder.bitcast(ptr, i16.as_pointer()), align=2)
+
+
 @intrinsic
 def lstore_narrow(typingctx, arr, i, value):
     """``arr[i:i + 16] = value`` rounded to the storage of 1-D ``arr``: float32 as is;
     bfloat16 (int16) to nearest even, NaN kept quiet (as ``_halfprec.f32_to_bf16``);
     float16 (uint16) by LLVM's ``fptrunc`` (nearest even: the caller uses it only
-    where the CPU converts in hardware). Adjacent elements, as for ``lload_wide``."""
+    where the CPU converts in hardware)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)
-            and arr.dtype in (types.float32, types.int16, types.uint16) and value == lanes):
+            and arr.dtype in _STORAGES and value == lanes):
         return None
 
     def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        array = context.make_array(aryty)(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [index],
-                                       wraparound=False)
-        v = args[2]
-        i16 = ir.VectorType(ir.IntType(16), LANES)
-        if aryty.dtype == types.float32:
-            builder.store(v, builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-            return context.get_dummy_value()
-        if aryty.dtype == types.uint16:
-            half = builder.fptrunc(v, ir.VectorType(ir.HalfType(), LANES))
-            builder.store(builder.bitcast(half, i16), builder.bitcast(ptr, i16.as_pointer()),
-                          align=2)
-            return context.get_dummy_value()
-        bits = builder.bitcast(v, _IVEC)
-        c16 = ir.Constant(_IVEC, [16] * LANES)
-        high = builder.lshr(bits, c16)
-        odd = builder.and_(high, ir.Constant(_IVEC, [1] * LANES))
-        bias = builder.add(ir.Constant(_IVEC, [0x7FFF] * LANES), odd)
-        rounded = builder.lshr(builder.add(bits, bias), c16)
-        magnitude = builder.and_(bits, ir.Constant(_IVEC, [0x7FFFFFFF] * LANES))
-        nan = builder.icmp_unsigned(">", magnitude, ir.Constant(_IVEC, [0x7F800000] * LANES))
-        quiet = builder.or_(high, ir.Constant(_IVEC, [0x0040] * LANES))
-        out = builder.trunc(builder.select(nan, quiet, rounded), i16)
-        builder.store(out, builder.bitcast(ptr, i16.as_pointer()), align=2)
+        _narrow_to(builder, sig.args[0], _item_pointer(context, builder, sig, args, 1),
+                   args[2])
         return context.get_dummy_value()
     return types.none(arr, i, value), codegen
+
+
+@intrinsic
+def lstore_narrow_at(typingctx, arr, t, h, e, value):
+    """``arr[t, h, e:e + 16] = value`` as ``lstore_narrow`` rounds it, for a 3-axis
+    array of any layout whose last axis is contiguous (no view made)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 3 and arr.dtype in _STORAGES
+            and all(isinstance(x, types.Integer) for x in (t, h, e)) and value == lanes):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _narrow_to(builder, sig.args[0], _item_pointer(context, builder, sig, args, 3),
+                   args[4])
+        return context.get_dummy_value()
+    return types.none(arr, t, h, e, value), codegen
 
 
 @intrinsic

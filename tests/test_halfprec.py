@@ -134,13 +134,13 @@ def test_bfloat16_decode_and_encode():
 @jit
 def _rows_narrow(a, o):
     for r in range(o.shape[0]):
-        _attention._narrow_row(a, r * o.shape[1], o[r])
+        _attention._narrow_row(a, r * o.shape[2], o, r, 0)
 
 
 @jit
 def _rows_widen(a, o):
     for r in range(a.shape[0]):
-        _attention._widen_row(a[r], o, r * a.shape[1])
+        _attention._widen_row(a, r, 0, o, r * a.shape[2])
 
 
 @pytest.mark.parametrize("storage", [np.int16, np.uint16, np.float32])
@@ -151,7 +151,7 @@ def test_attention_rows_convert_as_the_scalar_path(storage, step):
     # bits of the per-element conversion, NaN included
     values = F32[:F32.size - F32.size % 48]
     want = _encode(_map_narrow, values, storage)
-    out = np.zeros((values.size // 48, 48 * step), storage)[:, ::step]
+    out = np.zeros((values.size // 48, 1, 48 * step), storage)[:, :, ::step]
     _rows_narrow(values, out)
     assert np.array_equal(np.ascontiguousarray(out).reshape(-1).view(np.uint8),
                           want.view(np.uint8))
