@@ -1,6 +1,7 @@
-"""The selected-attention kernels: forward, and the backward in two passes.
-
-Planned by ``_select``, which also documents the operator. Here the arithmetic:
+"""The attention kernels: selected attention (planned by ``_select``) and dense
+attention, every key of a sequence under a mask (compressed attention, planned by
+``_compress_attention``), each a forward and a backward in two passes; the planners
+document the operators. Here the arithmetic, told for selected attention:
 
 * **staging** (:func:`select_stage`): each block of ``l'`` keys of each KV head, as
   the input stores it (16 bits for half precision; the tile widens as it loads), in
@@ -21,6 +22,11 @@ Planned by ``_select``, which also documents the operator. Here the arithmetic:
   float32 sums, then rounds them once. No two units write the same row, so no atomics
   and no order that depends on the threads: the result is the same bits for any
   thread count.
+
+Dense attention has the same shape (``dense_stage``, ``cmp_forward``, ``dense_grad_dq``,
+``dense_grad_dkdv``), with keys in chunks of CHUNK staged as float32 and each query
+row computing only the chunks its visible range meets (``dense_ranges``); its
+forward adds the importance of each block of raw keys and the top-k.
 
 All products go through :func:`_mm`, one register tile whose per-element sum runs
 over its depth in order with fused multiply-adds (``_lanes``); float64 problems take
