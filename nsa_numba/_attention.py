@@ -139,6 +139,36 @@ def _mm16(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
 
 
 @jit
+def _mm32(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add):
+    o0 = ob + e
+    o1 = o0 + so
+    o2 = o1 + so
+    o3 = o2 + so
+    check_lanes(out, o0, 32)
+    check_lanes(out, o3, 32)
+    if add:
+        a00, a01, a10, a11 = lload(out, o0), lload(out, o0 + 16), lload(out, o1), \
+            lload(out, o1 + 16)
+        a20, a21, a30, a31 = lload(out, o2), lload(out, o2 + 16), lload(out, o3), \
+            lload(out, o3 + 16)
+    else:
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = lzeros()
+    for k in range(nk):
+        p = rows[k] + e
+        check_lanes(b, p, 32)
+        b0, b1 = lload_wide(b, p), lload_wide(b, p + 16)
+        i = wb + k * sk
+        w0, w1, w2, w3 = w[i], w[i + sm], w[i + 2 * sm], w[i + 3 * sm]
+        a00, a01, a10, a11 = lfma(a00, w0, b0), lfma(a01, w0, b1), lfma(a10, w1, b0), \
+            lfma(a11, w1, b1)
+        a20, a21, a30, a31 = lfma(a20, w2, b0), lfma(a21, w2, b1), lfma(a30, w3, b0), \
+            lfma(a31, w3, b1)
+    lstore(out, o0, a00), lstore(out, o0 + 16, a01), lstore(out, o1, a10)
+    lstore(out, o1 + 16, a11), lstore(out, o2, a20), lstore(out, o2 + 16, a21)
+    lstore(out, o3, a30), lstore(out, o3 + 16, a31)
+
+
+@jit
 def _mm_scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
     for m in range(4):
         for e in range(e0, e1):
@@ -161,6 +191,9 @@ def _mm_typed(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
         while e + 64 <= e1:
             _mm64(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add)
             e += 64
+        if e + 32 <= e1:            # a broadcast weight serves two vectors, not one
+            _mm32(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add)
+            e += 32
         while e + 16 <= e1:
             _mm16(w, wb, sm, sk, nk, rows, b, e, out, ob, so, add)
             e += 16
