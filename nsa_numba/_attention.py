@@ -50,7 +50,7 @@ from ._lanes import lzeros
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
     "_jit.py": "5e2d2922a8cf1971",
-    "_lanes.py": "369a6ee1ab477f44",
+    "_lanes.py": "f683dcc715711807",
 }
 
 #: the score a masked key gets (float32's lowest finite value, as the NPU writes)
@@ -204,11 +204,78 @@ def _mm_typed(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
 
 # -- rows of the operators' arrays ----------------------------------------------------
 #
-# Row ``x[t, h]`` of a 3-axis input or output, addressed by its indices (a view of it
-# would count a reference on ``x``: an atomic operation on memory every thread
-# shares). Where the row's elements are adjacent (the last axis of stride one
-# element, the usual case) these go 16 at a time, else one by one; the results are
-# the same either way.
+# Row ``x[t, h]`` of an operator's array, addressed by its indices (a view of it would
+# count a reference on ``x``: an atomic operation on memory every thread shares). The
+# array is ``[T, N, X]`` (3 axes), or ``[B, S, N, X]`` (4 axes: the padded layouts'
+# batches, or ``[1, T, N, X]``), where token ``t`` is ``x[t // S, t % S]``. Where the
+# row's elements are adjacent (the last axis of stride one element, the usual case)
+# these go 16 at a time, else one by one; the results are the same either way.
+
+def _split(x, t):
+    """Token ``t`` of ``x`` as its leading indices ``(a, s)``: ``(t, 0)`` for 3 axes,
+    ``divmod(t, S)`` for 4."""
+    raise NotImplementedError
+
+
+@overload(_split, jit_options=OVERLOAD_OPTIONS)
+def _split_typed(x, t):
+    if x.ndim == 4:
+        return lambda x, t: (t // x.shape[1], t % x.shape[1])
+    return lambda x, t: (t, t - t)
+
+
+def _item(x, a, s, h, e):
+    """``x[a, h, e]`` (3 axes) or ``x[a, s, h, e]`` (4 axes)."""
+    raise NotImplementedError
+
+
+@overload(_item, jit_options=OVERLOAD_OPTIONS)
+def _item_typed(x, a, s, h, e):
+    if x.ndim == 4:
+        return lambda x, a, s, h, e: x[a, s, h, e]
+    return lambda x, a, s, h, e: x[a, h, e]
+
+
+def _put(x, a, s, h, e, v):
+    """``_item``'s element = ``v``."""
+    raise NotImplementedError
+
+
+@overload(_put, jit_options=OVERLOAD_OPTIONS)
+def _put_typed(x, a, s, h, e, v):
+    if x.ndim == 4:
+        def four(x, a, s, h, e, v):
+            x[a, s, h, e] = v
+        return four
+
+    def three(x, a, s, h, e, v):
+        x[a, h, e] = v
+    return three
+
+
+@jit
+def _stat(x, t, h):
+    """Head ``h``'s statistic of token ``t`` (its first lane)."""
+    a, s = _split(x, t)
+    return _item(x, a, s, h, 0)
+
+
+@jit
+def _set_stats(smax, ssum, t, h, top, total):
+    """Every lane of head ``h``'s statistics of token ``t``."""
+    a, s = _split(smax, t)
+    for i in range(smax.shape[-1]):
+        _put(smax, a, s, h, i, top)
+        _put(ssum, a, s, h, i, total)
+
+
+@jit
+def _zero_row(x, t, h):
+    """Row ``x[t, h]`` = 0."""
+    a, s = _split(x, t)
+    for e in range(x.shape[-1]):
+        _put(x, a, s, h, e, narrow(0.0, x))
+
 
 def _widen_row(x, t, h, dst, o):
     """``dst[o:o + n]`` = row ``x[t, h]`` (n elements) widened to the accumulator type."""
@@ -219,19 +286,21 @@ def _widen_row(x, t, h, dst, o):
 def _widen_row_typed(x, t, h, dst, o):
     if dst.dtype == types.float64:
         def scalar(x, t, h, dst, o):
-            for e in range(x.shape[2]):
-                dst[o + e] = widen(x[t, h, e])
+            a, s = _split(x, t)
+            for e in range(x.shape[-1]):
+                dst[o + e] = widen(_item(x, a, s, h, e))
         return scalar
 
     def lanes(x, t, h, dst, o):
-        n = x.shape[2]
-        full = n - n % 16 if x.strides[2] == x.itemsize else 0
+        a, s = _split(x, t)
+        n = x.shape[-1]
+        full = n - n % 16 if x.strides[-1] == x.itemsize else 0
         check_lanes(dst, o, n)
         for e in range(0, full, 16):
-            check_row(x, t, h, e)
-            lstore(dst, o + e, lload_wide_at(x, t, h, e))
+            check_row(x, a, s, h, e)
+            lstore(dst, o + e, lload_wide_at(x, a, s, h, e))
         for e in range(full, n):
-            dst[o + e] = widen(x[t, h, e])
+            dst[o + e] = widen(_item(x, a, s, h, e))
     return lanes
 
 
@@ -247,23 +316,25 @@ def _dot_row(a, o, x, t, h):
 def _dot_row_typed(a, o, x, t, h):
     if a.dtype == types.float64:
         def scalar(a, o, x, t, h):
+            i, s = _split(x, t)
             acc = 0.0
-            for e in range(x.shape[2]):
-                acc = fma(a[o + e], widen(x[t, h, e]), acc)
+            for e in range(x.shape[-1]):
+                acc = fma(a[o + e], widen(_item(x, i, s, h, e)), acc)
             return acc
         return scalar
 
     def lanes(a, o, x, t, h):
-        n = x.shape[2]
-        full = n - n % 16 if x.strides[2] == x.itemsize else 0
+        i, s = _split(x, t)
+        n = x.shape[-1]
+        full = n - n % 16 if x.strides[-1] == x.itemsize else 0
         check_lanes(a, o, n)
         acc = lzeros()
         for e in range(0, full, 16):
-            check_row(x, t, h, e)
-            acc = lfma(acc, lload(a, o + e), lload_wide_at(x, t, h, e))
+            check_row(x, i, s, h, e)
+            acc = lfma(acc, lload(a, o + e), lload_wide_at(x, i, s, h, e))
         total = lsum(acc) if full else np.float32(0)
         for e in range(full, n):
-            total = fma(a[o + e], widen(x[t, h, e]), total)
+            total = fma(a[o + e], widen(_item(x, i, s, h, e)), total)
         return total
     return lanes
 
@@ -280,27 +351,29 @@ def _narrow_row_typed(src, o, x, t, h):
         or (x.dtype == types.uint16 and HARDWARE_HALF))
     if not vector:
         def scalar(src, o, x, t, h):
-            for e in range(x.shape[2]):
-                x[t, h, e] = narrow(src[o + e], x)
+            a, s = _split(x, t)
+            for e in range(x.shape[-1]):
+                _put(x, a, s, h, e, narrow(src[o + e], x))
         return scalar
 
     def lanes(src, o, x, t, h):
-        n = x.shape[2]
-        full = n - n % 16 if x.strides[2] == x.itemsize else 0
+        a, s = _split(x, t)
+        n = x.shape[-1]
+        full = n - n % 16 if x.strides[-1] == x.itemsize else 0
         check_lanes(src, o, n)
         for e in range(0, full, 16):
-            check_row(x, t, h, e)
-            lstore_narrow_at(x, t, h, e, lload(src, o + e))
+            check_row(x, a, s, h, e)
+            lstore_narrow_at(x, a, s, h, e, lload(src, o + e))
         for e in range(full, n):
-            x[t, h, e] = narrow(src[o + e], x)
+            _put(x, a, s, h, e, narrow(src[o + e], x))
     return lanes
 
 
 @jit
-def check_row(x, t, h, e):
-    """``check_lanes`` for ``x[t, h, e:e + 16]``."""
+def check_row(x, a, s, h, e):
+    """``check_lanes`` for the 16 elements of ``_item(x, a, s, h, e)`` on."""
     if BOUNDSCHECK:
-        return x[t, h, e] == x[t, h, e + 15]
+        return _item(x, a, s, h, e) == _item(x, a, s, h, e + 15)
     return True
 
 
@@ -446,17 +519,18 @@ def _stage_block(k, v, row0, n, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
     """Rows ``row0 .. row0 + n`` of KV head ``j`` into the staged layouts at block
     ``base_k`` / ``base_v`` (in units of D and Dv), zero padded to ``l`` rows (the row
     layouts) and ``lp`` lanes (the transposed ones)."""
-    D = k.shape[2]
-    Dv = v.shape[2]
+    D = k.shape[-1]
+    Dv = v.shape[-1]
     for r in range(n):
+        a, p = _split(k, row0 + r)
         for d in range(D):
-            x = _as_staged(k[row0 + r, j, d], kt, krow)
+            x = _as_staged(_item(k, a, p, j, d), kt, krow)
             if kt.size:
                 kt[base_k * lp + d * lp + r] = x
             if krow.size:
                 krow[base_k * l + r * D + d] = x
         for e in range(Dv):
-            x = _as_staged(v[row0 + r, j, e], vrow, vt)
+            x = _as_staged(_item(v, a, p, j, e), vrow, vt)
             if vrow.size:
                 vrow[base_v * l + r * Dv + e] = x
             if vt.size:
@@ -598,17 +672,18 @@ def select_forward(q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, scr
 # -- backward: dq ----------------------------------------------------------------------
 
 @jit
-def _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats):
-    """The unit's query rows and output-gradient rows widened (``qs``, ``dos``), and
-    per head ``stats[g]`` = (max, sum, delta = sum_e dO * O, ``_dot_row``)."""
-    D, Dv = q.shape[2], grad.shape[2]
-    _widen_heads(q, t, j * G, G, G4, D, qs)
-    _widen_heads(grad, t, j * G, G, G4, Dv, dos)
+def _row_terms(q, grad, out_fwd, smax, ssum, t, h0, G, G4, qs, dos, stats):
+    """The query rows and output-gradient rows of heads ``h0 .. h0 + G`` widened
+    (``qs``, ``dos``), and per head ``stats[g]`` = (max, sum, delta = sum_e dO * O,
+    ``_dot_row``)."""
+    D, Dv = q.shape[-1], grad.shape[-1]
+    _widen_heads(q, t, h0, G, G4, D, qs)
+    _widen_heads(grad, t, h0, G, G4, Dv, dos)
     for g in range(G):
-        h = j * G + g
+        h = h0 + g
         delta = _dot_row(dos, g * Dv, out_fwd, t, h)
-        stats[3 * g] = smax[t, h, 0]
-        stats[3 * g + 1] = ssum[t, h, 0]
+        stats[3 * g] = _stat(smax, t, h)
+        stats[3 * g + 1] = _stat(ssum, t, h)
         stats[3 * g + 2] = delta
 
 
@@ -625,9 +700,9 @@ def _grad_scratch(f, G4, D, Dv, lds):
 
 
 @jit
-def _mask_keys(s, o, n, mask, row, col0, lo, hi, holes):
+def _mask_keys(s, o, n, mask, row, mc, col0, lo, hi, holes):
     """Scores ``s[o:o + n]`` of keys ``col0 ..`` set to MASKED where the key is outside
-    ``[lo, hi)``, and with ``holes`` where ``mask[row, key]`` is set."""
+    ``[lo, hi)``, and with ``holes`` where ``mask[row, mc + key]`` is set."""
     end = col0 + n
     for k in range(col0, min(lo, end)):
         s[o + k - col0] = MASKED
@@ -635,7 +710,7 @@ def _mask_keys(s, o, n, mask, row, col0, lo, hi, holes):
         s[o + k - col0] = MASKED
     if holes:
         for k in range(max(lo, col0), min(hi, end)):
-            if mask[row, k] != 0:
+            if mask[row, mc + k] != 0:
                 s[o + k - col0] = MASKED
 
 
@@ -645,19 +720,19 @@ NO_MASK = np.zeros((0, 0), np.uint8)
 
 @jit
 def _block_ds(qs, dos, kt, vt, base_k, base_v, D, Dv, lp, e0, e1, rows, s, dp, ob, lds, G,
-              G4, stats, scale, keep, l, mask, row, col0, lo, hi, holes):
+              G4, stats, scale, keep, l, mask, row, mc, col0, lo, hi, holes):
     """Scores and dP of keys ``e0 <= r < min(e1, l)`` of one block (``e0``, ``e1``:
     multiples of 16) for the unit's heads into ``s`` / ``dp`` at ``ob + r``; then ``s``
     holds P and ``dp`` holds ``scale * dS`` (``_ds_row``). Keys from ``keep`` on are
-    masked, and those ``_mask_keys`` masks (the block's first key is key ``col0`` of
-    mask row ``row``)."""
+    masked, and those ``_mask_keys`` masks (the block's first key is key ``col0``; its
+    mask row ``row`` from column ``mc``)."""
     _block_scores(qs, D, kt, base_k, lp, e0, e1, rows, s, ob, lds, G4)
     _block_scores(dos, Dv, vt, base_v, lp, e0, e1, rows, dp, ob, lds, G4)
     n = min(e1, l) - e0
     for g in range(G):
         o = g * lds + ob + e0
         _scale_mask(s, o, n, scale, keep - e0)
-        _mask_keys(s, o, min(keep, e1) - e0, mask, row, col0 + e0, lo, hi, holes)
+        _mask_keys(s, o, min(keep, e1) - e0, mask, row, mc, col0 + e0, lo, hi, holes)
         _ds_row(s, dp, o, n, stats[3 * g], stats[3 * g + 1], stats[3 * g + 2], scale,
                 keep - e0)
 
@@ -679,13 +754,13 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
             for d in range(D):
                 dq[t, j * G + g, d] = narrow(0.0, dq)
         return
-    _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
+    _row_terms(q, grad, out_fwd, smax, ssum, t, j * G, G, G4, qs, dos, stats)
     for v in range(nvis):
         idx = topk[t, j, vis[v]]
         u = (blk_starts[b] + idx) * N2 + j
         keep = pos % l + 1 if causal and idx == diag else l
         _block_ds(qs, dos, kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp, 0, lp, rows, s, dp,
-                  v * l, lds, G, G4, stats, scale, keep, l, NO_MASK, 0, 0, 0, l, False)
+                  v * l, lds, G, G4, stats, scale, keep, l, NO_MASK, 0, 0, 0, 0, l, False)
     for g in range(G, G4):
         for i in range(nvis * l):
             dp[g * lds + i] = 0
@@ -769,24 +844,25 @@ def _owner_scratch(f, rows, D, Dv, lds, keys):
 
 
 @jit
-def _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds, width, valid):
-    """An owner's pair whose keys are all masked: P = exp(MASKED - max) / sum, zero
-    unless the whole row is masked (then 1 / K, and dv gets dO / K), for the first
-    ``valid`` of ``width`` keys; dS = 0. Fills the pair's rows (from row ``o``) and
-    returns whether any weight is not zero (else the pair adds nothing)."""
-    Dv = grad.shape[2]
+def _masked_pair(grad, smax, ssum, t, h0, G, G4, D, o, qs, dos, s, dp, lds, width, r0, r1):
+    """An owner's pair (heads ``h0 .. h0 + G``) whose keys are all masked: P =
+    exp(MASKED - max) / sum, zero unless the whole row is masked (then 1 / K, and dv
+    gets dO / K), for keys ``r0 <= r < r1`` of ``width``; dS = 0. Fills the pair's rows
+    (from row ``o``) and returns whether any weight is not zero (else the pair adds
+    nothing)."""
+    Dv = grad.shape[-1]
     weight = False
     for g in range(G4):
         p = s.dtype.type(0)
         if g < G:
-            h = j * G + g
-            p = _exp(s.dtype.type(MASKED) - smax[t, h, 0]) / ssum[t, h, 0]
+            h = h0 + g
+            p = _exp(s.dtype.type(MASKED) - _stat(smax, t, h)) / _stat(ssum, t, h)
         for r in range(width):
-            s[(o + g) * lds + r] = p if r < valid else 0
+            s[(o + g) * lds + r] = p if r0 <= r < r1 else 0
             dp[(o + g) * lds + r] = 0
         weight = weight or p != 0
     if weight:
-        _widen_heads(grad, t, j * G, G, G4, Dv, dos[o * Dv:])
+        _widen_heads(grad, t, h0, G, G4, Dv, dos[o * Dv:])
         qs[o * D:(o + G4) * D] = 0
     return weight
 
@@ -810,16 +886,16 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
         idx = topk[t, j, i]
         o = n * G4
         if causal and idx > diag:
-            if not _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds,
-                                l4, l4):
+            if not _masked_pair(grad, smax, ssum, t, j * G, G, G4, D, o, qs, dos, s, dp, lds,
+                                l4, 0, l4):
                 continue
         else:
-            _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs[o * D:], dos[o * Dv:],
-                       stats[3 * o:])
+            _row_terms(q, grad, out_fwd, smax, ssum, t, j * G, G, G4, qs[o * D:],
+                       dos[o * Dv:], stats[3 * o:])
             keep = pos % l + 1 if causal and idx == diag else l
             _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, u * D * lp, u * Dv * lp, D, Dv, lp,
                       0, lp, rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale, keep, l,
-                      NO_MASK, 0, 0, 0, l, False)
+                      NO_MASK, 0, 0, 0, 0, l, False)
         n += 1
         if n == batch:
             _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
@@ -870,26 +946,39 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
                     G, l, lp, scale, causal)
 
 
-# -- dense attention: every key of a sequence, masked (compressed attention) ----------
+# -- dense attention: every key of a sequence, masked --------------------------------
 #
-# A query row sees the keys of its sequence in ``[lo, hi)`` (``ranges[t]``) that the
-# mask, when there is one, leaves visible; a row that sees none (``ranges[t, 2]``)
-# takes equal weights over all its sequence's keys. Keys are staged in chunks of
-# CHUNK; a unit computes only the chunks that meet its row's range, which leaves
-# every sum as it was (a key outside the range has P = 0 exactly).
+# Fusion attention (``_fusion``) and compressed attention (``_compress_attention``).
+# A query row sees the keys of its sequence in ``[lo, hi)`` that its sequence's
+# geometry (the sparse mode's band) admits and its mask row, when there is one, leaves
+# visible: ``ranges[t, r]`` (``r``: the mask's head, 0 unless the mask has one per
+# head). A row whose keys the mask hides all takes equal weights over the keys the
+# geometry admits (ALL_MASKED); a row the geometry leaves no key, or with ``zero_rows``
+# a row the mask hides entirely, gets zeros (NO_KEYS). Keys are staged in chunks of
+# CHUNK; a unit computes only the chunks that meet its row's range, which leaves every
+# sum as it was (a key outside the range has P = 0 exactly).
+#
+# A unit is a query token and ``Gu`` heads ``h0 = u * Gu ..`` of KV head ``j = h0 //
+# G``: the whole group (``Gu = G``), or one head when the mask has one per head.
 
 #: keys per staged chunk
 CHUNK = 64
-#: (query token, KV head) units a parallel iteration runs in a row (one thread-id
+#: (query token, unit) pairs a parallel iteration runs in a row (one thread-id
 #: lookup and one scratch row for all of them)
 UNIT_RUN = 8
+#: a bound no position reaches: a sequence's geometry without a band
+UNBOUNDED = 1 << 40
+#: ``ranges[t, r, 2]``: the row sees keys; the mask hides every key; no key
+SEES, ALL_MASKED, NO_KEYS = 0, 1, 2
+#: ``softmax_sum`` of a row without keys (float32's largest finite value)
+NO_KEYS_SUM = np.float32(3.4028234663852886e38)
 
 
 @jit_parallel
 def dense_stage(k, v, chunk_row, chunk_len, kt, krow, vrow, vt):
     """Stage every chunk (``chunk_row[c]``: its first key row, ``chunk_len[c]`` keys)
     of every KV head as :func:`select_stage` stages a block of CHUNK keys, zero padded."""
-    N2, D, Dv = k.shape[1], k.shape[2], v.shape[2]
+    N2, D, Dv = k.shape[-2], k.shape[-1], v.shape[-1]
     for unit in prange(chunk_row.size * N2):
         u = np.int64(unit)
         c, j = u // N2, u % N2
@@ -898,40 +987,57 @@ def dense_stage(k, v, chunk_row, chunk_len, kt, krow, vrow, vt):
 
 
 @jit_parallel
-def dense_ranges(mask, q_starts, kv_starts, ranges):
-    """Per query token ``t``: ``ranges[t] = (lo, hi, 0, holes)``: the first and one
-    past the last key its mask row leaves visible (all keys without a mask), and
-    whether the mask hides any key between them; or ``(0, K, 1, 0)`` when the mask
-    hides every one of its sequence's K keys."""
+def dense_ranges(mask, q_starts, kv_starts, geo, mstep, zero_rows, ranges):
+    """``ranges[t, r] = (lo, hi, state, holes)`` per query token ``t`` and mask head
+    ``r``. Position ``i`` of sequence ``b`` (K keys) may see keys ``max(0, i + geo[b,
+    0]) <= k < min(K, i + geo[b, 1])``; the mask, when not empty, hides key ``k``
+    where ``mask[geo[b, 2] + r * mstep + i, geo[b, 3] + k]`` is set. SEES: ``[lo,
+    hi)`` from the first to one past the last visible key, ``holes`` whether the mask
+    hides any between; ALL_MASKED: ``[lo, hi)`` the geometry's keys; NO_KEYS: ``lo =
+    hi = 0``."""
+    R = ranges.shape[1]
     for unit in prange(ranges.shape[0]):
         t = np.int64(unit)
         b, pos = _sequence(q_starts, t)
         nk = kv_starts[b + 1] - kv_starts[b]
-        lo, hi, holes = 0, nk, 0
-        if mask.shape[0] > 0:
-            while lo < nk and mask[pos, lo] != 0:
-                lo += 1
-            while hi > lo and mask[pos, hi - 1] != 0:
-                hi -= 1
-            for k in range(lo, hi):
-                if mask[pos, k] != 0:
-                    holes = 1
-                    break
-        full = lo >= hi
-        ranges[t, 0] = 0 if full else lo
-        ranges[t, 1] = nk if full else hi
-        ranges[t, 2] = 1 if full else 0
-        ranges[t, 3] = holes
+        glo, ghi = max(0, pos + geo[b, 0]), min(nk, pos + geo[b, 1])
+        for r in range(R):
+            lo, hi, holes = glo, ghi, 0
+            if mask.shape[0] > 0:
+                row, mc = geo[b, 2] + r * mstep + pos, geo[b, 3]
+                while lo < hi and mask[row, mc + lo] != 0:
+                    lo += 1
+                while hi > lo and mask[row, mc + hi - 1] != 0:
+                    hi -= 1
+                for k in range(lo, hi):
+                    if mask[row, mc + k] != 0:
+                        holes = 1
+                        break
+            state = SEES
+            if glo >= ghi or (lo >= hi and zero_rows):
+                state, lo, hi = NO_KEYS, 0, 0
+            elif lo >= hi:
+                state, lo, hi = ALL_MASKED, glo, ghi
+            ranges[t, r, 0] = lo
+            ranges[t, r, 1] = hi
+            ranges[t, r, 2] = state
+            ranges[t, r, 3] = holes
 
 
 @jit
-def _span(ranges, t, nk):
+def _unit_heads(u, Gu, G, ranges):
+    """Unit ``u``'s first head, KV head and ``ranges`` column."""
+    h0 = u * Gu
+    return h0, h0 // G, u if ranges.shape[1] > 1 else 0
+
+
+@jit
+def _span(ranges, t, r, nk):
     """The keys a row's unit computes: ``[first, end)``, its range widened to
-    multiples of 16 (at most ``nk``), or every key for a row whose keys are all
-    masked."""
-    if ranges[t, 2]:
-        return 0, nk
-    return ranges[t, 0] & ~15, min((ranges[t, 1] + 15) & ~15, nk)
+    multiples of 16 (at most ``nk``); exactly its range when it does not see keys."""
+    if ranges[t, r, 2] != SEES:
+        return ranges[t, r, 0], ranges[t, r, 1]
+    return ranges[t, r, 0] & ~15, min((ranges[t, r, 1] + 15) & ~15, nk)
 
 
 @jit
@@ -951,57 +1057,96 @@ def _chunk_rows(rows, base, n, first, N2, j, width):
 
 
 @jit
+def _attend(t, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo, mstep,
+            out, smax, ssum, f, rows, G, Gu, lds, scale):
+    """Unit ``u`` of query token ``t``: the scores over the keys in its range (masked as
+    ``dense_ranges`` reads the mask), the softmax statistics, the values' weighted sum
+    divided by the row sum, rounded once into ``out``. Leaves ``exp(score - max)`` in
+    the scratch's score rows and returns the keys they cover, ``(first, span)``."""
+    N2 = q.shape[-2] // G
+    D, Dv = q.shape[-1], out.shape[-1]
+    G4 = (Gu + 3) & ~3
+    h0, j, r = _unit_heads(u, Gu, G, ranges)
+    b, pos = _sequence(q_starts, t)
+    nk = kv_starts[b + 1] - kv_starts[b]
+    qs = f[:G4 * D]
+    s = f[G4 * D:G4 * (D + lds)]
+    o = f[G4 * (D + lds):G4 * (D + lds + Dv)]
+    first, end = _span(ranges, t, r, nk)
+    span = end - first
+    state = ranges[t, r, 2]
+    if state == NO_KEYS:
+        for g in range(Gu):
+            _zero_row(out, t, h0 + g)
+            _set_stats(smax, ssum, t, h0 + g, MASKED, NO_KEYS_SUM)
+        return first, 0
+    if state == ALL_MASKED:
+        for g in range(Gu):
+            for i in range(span):
+                s[g * lds + i] = MASKED
+    else:
+        _widen_heads(q, t, h0, Gu, G4, D, qs)
+        for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
+            w = (chunk_starts[b] + c) * N2 + j
+            e0, e1 = _lanes_of(c, first, end)
+            _block_scores(qs, D, kt, w * D * CHUNK, CHUNK, e0, e1, rows, s,
+                          c * CHUNK - first, lds, G4)
+        row = geo[b, 2] + h0 * mstep + pos
+        for g in range(Gu):
+            _scale_mask(s, g * lds, span, scale, span)
+            _mask_keys(s, g * lds, span, mask, row, geo[b, 3], first, ranges[t, r, 0],
+                       ranges[t, r, 1], ranges[t, r, 3])
+    for g in range(Gu):
+        top, total = _row_softmax(s, g * lds, span)
+        _set_stats(smax, ssum, t, h0 + g, top, total)
+    _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
+    for g in range(0, G4, 4):
+        _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    for g in range(Gu):
+        _divide(o, g * Dv, Dv, _stat(ssum, t, h0 + g))
+        _narrow_row(o, g * Dv, out, t, h0 + g)
+    return first, span
+
+
+@jit_parallel
+def dense_forward(q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo, mstep,
+                  out, smax, ssum, scratch, index, G, Gu, lds, scale):
+    """Dense attention's forward, one unit per query token and ``Gu`` heads."""
+    T1 = ranges.shape[0]
+    units = T1 * (q.shape[-2] // Gu)
+    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
+        slot = get_thread_id()
+        f, rows = scratch[slot], index[slot]
+        for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
+            u, t = unit // T1, unit % T1          # unit by unit: its keys stay in cache
+            _attend(t, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo,
+                    mstep, out, smax, ssum, f, rows, G, Gu, lds, scale)
+
+
+@jit
 def _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
-              atten_mask, topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m, n):
-    """One query token and KV head of compressed attention: the scores over the
-    sequence's compressed keys in its range (masked where ``atten_mask`` is set), the
-    softmax, the values' sum, and the importance of each block of raw keys (the
+              atten_mask, geo, topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m,
+              n):
+    """One query token and KV head of compressed attention: ``_attend`` over the
+    sequence's compressed keys, then the importance of each block of raw keys (the
     group's weights summed head by head, then through the NPU's window of ``m + n -
     1`` tokens), forced blocks first, then the largest, ties to the lower block."""
-    N2, count = topk.shape[1], topk.shape[2]
-    D, Dv = q.shape[2], out.shape[2]
+    count = topk.shape[2]
+    D, Dv = q.shape[-1], out.shape[-1]
     G4 = (G + 3) & ~3
     b, pos = _sequence(q_starts, t)
     nk = kv_starts[b + 1] - kv_starts[b]
     sel = sel_starts[b + 1] - sel_starts[b]
-    qs = f[:G4 * D]
+    first, span = _attend(t, j, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow,
+                          atten_mask, geo, 0, out, smax, ssum, f, rows, G, G, lds, scale)
     s = f[G4 * D:G4 * (D + lds)]
-    o = f[G4 * (D + lds):G4 * (D + lds + Dv)]
     at = G4 * (D + lds + Dv)
     psum = f[at:at + lds]
     score = f[at + lds:at + 2 * lds]
     taken = rows[max(D, CHUNK):]
-    first, end = _span(ranges, t, nk)
-    span = end - first
-    if ranges[t, 2]:
-        for g in range(G):
-            for i in range(span):
-                s[g * lds + i] = MASKED
-    else:
-        _widen_heads(q, t, j * G, G, G4, D, qs)
-        for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
-            u = (chunk_starts[b] + c) * N2 + j
-            e0, e1 = _lanes_of(c, first, end)
-            _block_scores(qs, D, kt, u * D * CHUNK, CHUNK, e0, e1, rows, s,
-                          c * CHUNK - first, lds, G4)
-        for g in range(G):
-            _scale_mask(s, g * lds, span, scale, span)
-            _mask_keys(s, g * lds, span, atten_mask, pos, first, ranges[t, 0], ranges[t, 1],
-                       ranges[t, 3])
-    for g in range(G):
-        top, total = _row_softmax(s, g * lds, span)
-        for i in range(smax.shape[2]):
-            smax[t, j * G + g, i] = top
-            ssum[t, j * G + g, i] = total
-    _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
-    for g in range(0, G4, 4):
-        _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
     psum[:nk] = 0
     for g in range(G):
-        total = ssum[t, j * G + g, 0]
-        _divide(o, g * Dv, Dv, total)
-        _narrow_row(o, g * Dv, out, t, j * G + g)
-        _add_quotient(psum, first, s, g * lds, span, total)
+        _add_quotient(psum, first, s, g * lds, span, _stat(ssum, t, j * G + g))
     _importance(psum, nk, first, first + span, m, n, score, sel)
     if topk_mask.shape[0] > 0:
         for c in range(sel):
@@ -1098,8 +1243,8 @@ def _add_quotient_typed(a, oa, b, ob, n, d):
 
 @jit_parallel
 def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
-                atten_mask, topk_mask, out, topk, smax, ssum, scratch, index, G, lds, scale,
-                m, n):
+                atten_mask, geo, topk_mask, out, topk, smax, ssum, scratch, index, G, lds,
+                scale, m, n):
     """Compressed attention with top-k selection, one unit per query token and KV head."""
     T1, N2 = topk.shape[0], topk.shape[1]
     units = T1 * N2
@@ -1109,127 +1254,134 @@ def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vr
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
             j, t = unit // T1, unit % T1          # KV head by KV head: its keys stay in cache
             _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt,
-                      vrow, atten_mask, topk_mask, out, topk, smax, ssum, f, rows, G, lds,
-                      scale, m, n)
+                      vrow, atten_mask, geo, topk_mask, out, topk, smax, ssum, f, rows, G,
+                      lds, scale, m, n)
 
 
 # -- dense attention backward -----------------------------------------------------------
 
 @jit
-def _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
-                   ranges, kt, krow, vt, mask, dq, f, rows, G, N2, lds, scale):
-    D, Dv = q.shape[2], grad.shape[2]
-    G4 = (G + 3) & ~3
+def _dense_dq_unit(t, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
+                   ranges, kt, krow, vt, mask, geo, mstep, dq, f, rows, G, Gu, lds, scale):
+    N2 = q.shape[-2] // G
+    D, Dv = q.shape[-1], grad.shape[-1]
+    G4 = (Gu + 3) & ~3
+    h0, j, r = _unit_heads(u, Gu, G, ranges)
     qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
     acc = rest[:G4 * D]
-    if ranges[t, 2]:            # uniform weights over masked keys: no gradient to q
-        for g in range(G):
-            for d in range(D):
-                dq[t, j * G + g, d] = narrow(0.0, dq)
+    if ranges[t, r, 2] != SEES:     # equal weights over masked keys, or none: no dq
+        for g in range(Gu):
+            _zero_row(dq, t, h0 + g)
         return
     b, pos = _sequence(q_starts, t)
     nk = kv_starts[b + 1] - kv_starts[b]
-    first, end = _span(ranges, t, nk)
+    first, end = _span(ranges, t, r, nk)
     span = end - first
-    _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs, dos, stats)
+    _row_terms(q, grad, out_fwd, smax, ssum, t, h0, Gu, G4, qs, dos, stats)
+    row = geo[b, 2] + h0 * mstep + pos
     for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
-        u = (chunk_starts[b] + c) * N2 + j
+        w = (chunk_starts[b] + c) * N2 + j
         e0, e1 = _lanes_of(c, first, end)
-        _block_ds(qs, dos, kt, vt, u * D * CHUNK, u * Dv * CHUNK, D, Dv, CHUNK, e0, e1, rows,
-                  s, dp, c * CHUNK - first, lds, G, G4, stats, scale,
-                  min(CHUNK, nk - c * CHUNK), CHUNK, mask, pos, c * CHUNK, ranges[t, 0],
-                  ranges[t, 1], ranges[t, 3])
-    for g in range(G, G4):
+        _block_ds(qs, dos, kt, vt, w * D * CHUNK, w * Dv * CHUNK, D, Dv, CHUNK, e0, e1, rows,
+                  s, dp, c * CHUNK - first, lds, Gu, G4, stats, scale,
+                  min(CHUNK, nk - c * CHUNK), CHUNK, mask, row, geo[b, 3], c * CHUNK,
+                  ranges[t, r, 0], ranges[t, r, 1], ranges[t, r, 3])
+    for g in range(Gu, G4):
         for i in range(span):
             dp[g * lds + i] = 0
     _chunk_rows(rows, chunk_starts[b], span, first, N2, j, D)
     for g in range(0, G4, 4):
         _mm(dp, g * lds, lds, 1, span, rows, krow, 0, D, acc, g * D, D, False)
-    for g in range(G):
-        _narrow_row(acc, g * D, dq, t, j * G + g)
+    for g in range(Gu):
+        _narrow_row(acc, g * D, dq, t, h0 + g)
 
 
 @jit_parallel
 def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                  kt, krow, vt, mask, dq, scratch, index, G, lds, scale):
-    """The query gradient of dense attention, one unit per token and KV head."""
-    T1, N2 = q.shape[0], q.shape[1] // G
-    units = T1 * N2
+                  kt, krow, vt, mask, geo, mstep, dq, scratch, index, G, Gu, lds, scale):
+    """The query gradient of dense attention, one unit per token and ``Gu`` heads."""
+    T1 = ranges.shape[0]
+    units = T1 * (q.shape[-2] // Gu)
     for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
-            j, t = unit // T1, unit % T1          # KV head by KV head: its keys stay in cache
-            _dense_dq_unit(t, j, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
-                           chunk_starts, ranges, kt, krow, vt, mask, dq, f, rows, G, N2, lds,
-                           scale)
+            u, t = unit // T1, unit % T1          # unit by unit: its keys stay in cache
+            _dense_dq_unit(t, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
+                           chunk_starts, ranges, kt, krow, vt, mask, geo, mstep, dq, f, rows,
+                           G, Gu, lds, scale)
 
 
 @jit
-def _dense_owner(u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                 kt, vt, mask, dk, dv, f, rows, G, N2, scale):
-    """dk and dv of chunk ``u // N2``'s keys for KV head ``u % N2``: the terms of every
-    query row of its sequence whose range meets the chunk, in token order."""
-    D, Dv = q.shape[2], grad.shape[2]
-    gc, j = u // N2, u % N2
+def _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
+                 kt, vt, mask, geo, mstep, dk, dv, f, rows, G, Gu, scale):
+    """dk and dv of chunk ``w // N2``'s keys for KV head ``w % N2``: the terms of every
+    query row of its sequence whose range meets the chunk, in token order, the group's
+    units in head order within a token."""
+    N2 = dk.shape[-2]
+    D, Dv = q.shape[-1], grad.shape[-1]
+    gc, j = w // N2, w % N2
     b = np.searchsorted(chunk_starts, gc, side="right") - 1
     first = (gc - chunk_starts[b]) * CHUNK
     nk = kv_starts[b + 1] - kv_starts[b]
     valid = min(CHUNK, nk - first)
-    G4 = (G + 3) & ~3
+    G4 = (Gu + 3) & ~3
     lds = CHUNK + KEY_ALIGN
-    batch = owner_batch(G)
+    batch = owner_batch(Gu)
     qs, dos, s, dp, stats, dkb, dvb = _owner_scratch(f, batch * G4, D, Dv, lds, CHUNK)
-    n = 0                   # rows in the batch; row p's heads are rows p*G4 .. p*G4 + G4
+    n = 0                   # units in the batch; unit p's heads are rows p*G4 .. p*G4 + G4
     r_lo, r_hi = CHUNK, 0   # the keys the batch's rows see, in multiples of 16
     for t in range(q_starts[b], q_starts[b + 1]):
-        lo, hi = ranges[t, 0], ranges[t, 1]
-        if hi <= first or lo >= first + valid:
-            continue
-        o = n * G4
-        if ranges[t, 2]:
-            if not _masked_pair(grad, smax, ssum, t, j, G, G4, D, o, qs, dos, s, dp, lds,
-                                CHUNK, valid):
+        for sub in range(G // Gu):
+            h0, _, r = _unit_heads(j * (G // Gu) + sub, Gu, G, ranges)
+            lo, hi = ranges[t, r, 0], ranges[t, r, 1]
+            if hi <= first or lo >= first + valid:
                 continue
-            e0, e1 = 0, CHUNK
-        else:
-            e0, e1 = _lanes_of(0, (max(lo, first) - first) & ~15, min(hi, nk) - first)
-            _row_terms(q, grad, out_fwd, smax, ssum, t, j, G, G4, qs[o * D:], dos[o * Dv:],
-                       stats[3 * o:])
-            _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, u * D * CHUNK, u * Dv * CHUNK, D, Dv,
-                      CHUNK, e0, e1, rows, s, dp, o * lds, lds, G, G4, stats[3 * o:], scale,
-                      valid, CHUNK, mask, t - q_starts[b], first, lo, hi, ranges[t, 3])
-            for g in range(G4):       # what the batch's other rows see, this one does not
-                for r in range(0, e0):
-                    s[(o + g) * lds + r] = 0
-                    dp[(o + g) * lds + r] = 0
-                for r in range(e1, CHUNK):
-                    s[(o + g) * lds + r] = 0
-                    dp[(o + g) * lds + r] = 0
-        r_lo, r_hi = min(r_lo, e0), max(r_hi, e1)
-        n += 1
-        if n == batch:
-            _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
-            n, r_lo, r_hi = 0, CHUNK, 0
+            o = n * G4
+            if ranges[t, r, 2] == ALL_MASKED:
+                if not _masked_pair(grad, smax, ssum, t, h0, Gu, G4, D, o, qs, dos, s, dp,
+                                    lds, CHUNK, max(lo - first, 0), min(hi - first, valid)):
+                    continue
+                e0, e1 = 0, CHUNK
+            else:
+                e0, e1 = _lanes_of(0, (max(lo, first) - first) & ~15, min(hi, nk) - first)
+                _row_terms(q, grad, out_fwd, smax, ssum, t, h0, Gu, G4, qs[o * D:],
+                           dos[o * Dv:], stats[3 * o:])
+                pos = t - q_starts[b]
+                _block_ds(qs[o * D:], dos[o * Dv:], kt, vt, w * D * CHUNK, w * Dv * CHUNK, D,
+                          Dv, CHUNK, e0, e1, rows, s, dp, o * lds, lds, Gu, G4, stats[3 * o:],
+                          scale, valid, CHUNK, mask, geo[b, 2] + h0 * mstep + pos, geo[b, 3],
+                          first, lo, hi, ranges[t, r, 3])
+                for g in range(G4):       # what the batch's other rows see, this one does not
+                    for k in range(0, e0):
+                        s[(o + g) * lds + k] = 0
+                        dp[(o + g) * lds + k] = 0
+                    for k in range(e1, CHUNK):
+                        s[(o + g) * lds + k] = 0
+                        dp[(o + g) * lds + k] = 0
+            r_lo, r_hi = min(r_lo, e0), max(r_hi, e1)
+            n += 1
+            if n == batch:
+                _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
+                n, r_lo, r_hi = 0, CHUNK, 0
     if n:
         _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
     row0 = kv_starts[b] + first
-    for r in range(valid):
-        _narrow_row(dkb, r * D, dk, row0 + r, j)
-        _narrow_row(dvb, r * Dv, dv, row0 + r, j)
+    for k in range(valid):
+        _narrow_row(dkb, k * D, dk, row0 + k, j)
+        _narrow_row(dvb, k * Dv, dv, row0 + k, j)
 
 
 @jit_parallel
 def dense_grad_dkdv(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                    order, kt, vt, mask, dk, dv, scratch, index, G, scale):
+                    order, kt, vt, mask, geo, mstep, dk, dv, scratch, index, G, Gu, scale):
     """The key and value gradients of dense attention, one unit per key chunk and KV
     head (in ``order``), each the owner of its rows."""
-    N2 = dk.shape[1]
     for unit in prange(order.size):
         slot = get_thread_id()
         _dense_owner(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
-                     chunk_starts, ranges, kt, vt, mask, dk, dv, scratch[slot], index[slot],
-                     G, N2, scale)
+                     chunk_starts, ranges, kt, vt, mask, geo, mstep, dk, dv, scratch[slot],
+                     index[slot], G, Gu, scale)
 
 
 @jit
@@ -1241,7 +1393,9 @@ def chunk_work(ranges, q_starts, chunk_starts, work):
     for t in range(ranges.shape[0]):
         while q_starts[b + 1] <= t:
             b += 1
-        work[chunk_starts[b] + ranges[t, 0] // CHUNK] += 1
-        work[chunk_starts[b] + (ranges[t, 1] + CHUNK - 1) // CHUNK] -= 1
+        for r in range(ranges.shape[1]):
+            if ranges[t, r, 1] > ranges[t, r, 0]:
+                work[chunk_starts[b] + ranges[t, r, 0] // CHUNK] += 1
+                work[chunk_starts[b] + (ranges[t, r, 1] + CHUNK - 1) // CHUNK] -= 1
     for c in range(1, work.size):
         work[c] += work[c - 1]

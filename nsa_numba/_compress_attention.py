@@ -21,16 +21,16 @@ Status 161001 for a required array that is None, 561002 for the NPU's tiling lim
 (strict mode), 161002 for everything else.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import _attention, _seqlens
+from ._dense import DensePlan, chunks, unbounded
 from ._errors import invalid, tiling
-from ._plan import Rules, scratch_slots
-from ._select import (STAT_LANES, AttentionPlan, _int, _launch, _no_overlap, _output,
-                      _round16, _scale, _starts, _stat_dtype, check_heads, check_saved,
-                      paired_starts)
+from ._plan import Rules
+from ._select import (STAT_LANES, _int, _launch, _no_overlap, _output, _scale, _starts,
+                      _stat_dtype, check_heads, check_saved, paired_starts)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "scale": "scale_value",
@@ -61,125 +61,41 @@ def compress_attention_rules(op, **options):
     return Rules(op, **options)
 
 
-class _Chunks:
-    """What the plans of dense attention share: keys staged in chunks of
-    ``_attention.CHUNK`` per sequence (``chunk_starts`` [B + 1]: each sequence's first
-    chunk; ``chunk_row``, ``chunk_len``: each chunk's first key row and key count)."""
-
-    @property
-    def chunks(self):
-        return self.chunk_row.size
-
-    @property
-    def row(self):
-        """Floats in one of a unit's score rows: the most chunks a sequence has, in
-        keys, and a vector's slack."""
-        most = int(np.diff(self.chunk_starts).max(initial=0))
-        return most * _attention.CHUNK + _attention.KEY_ALIGN
-
-
-def _chunks(kv_starts):
-    """``(chunk_starts, chunk_row, chunk_len)`` for sequences starting at ``kv_starts``."""
-    C = _attention.CHUNK
-    lengths = np.diff(kv_starts)
-    per = -(-lengths // C)
-    firsts = [np.arange(n, dtype=np.int64) * C for n in per.tolist()]
-    row = np.concatenate([kv_starts[b] + f for b, f in enumerate(firsts)]
-                         + [np.zeros(0, np.int64)])
-    length = np.concatenate([np.minimum(C, lengths[b] - f) for b, f in enumerate(firsts)]
-                            + [np.zeros(0, np.int64)])
-    starts = np.concatenate(([0], np.cumsum(per))).astype(np.int64)
-    return dict(chunk_starts=starts, chunk_row=row.astype(np.int64),
-                chunk_len=length.astype(np.int64))
-
-
 @dataclass(frozen=True, kw_only=True)
-class CompressAttentionPlan(_Chunks, AttentionPlan):
-    """A checked compressed-attention forward, ready to launch."""
-    dtype: np.dtype
-    T1: int
-    N2: int
-    G: int
-    D: int
-    Dv: int
+class CompressAttentionPlan(DensePlan):
+    """A checked compressed-attention forward, ready to launch: dense attention
+    over the compressed keys (mode 1: every key its mask row leaves visible), then
+    the top-k."""
     count: int
     m: int                          # compressed tokens per block of raw keys
     n: int                          # compressed tokens per window
-    scale: float
-    q_starts: np.ndarray            # [B + 1]
-    kv_starts: np.ndarray           # [B + 1] compressed tokens
-    chunk_starts: np.ndarray
-    chunk_row: np.ndarray
-    chunk_len: np.ndarray
     sel_starts: np.ndarray          # [B + 1] blocks of raw keys
-    atten_mask: np.ndarray          # uint8 [rows, cols], or [0, 0] for none
-    topk_mask: np.ndarray           # the same
-    arrays: dict
-    pending: dict = field(default_factory=dict)
-    op: str = "compress_attention"
+    topk_mask: np.ndarray           # uint8 [rows, cols], or [0, 0] for none
 
     def summary(self):
-        return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
-                f"Dv={self.Dv} count={self.count}")
+        return f"{super().summary()} count={self.count}"
 
-    def layout(self):
-        G4 = -(-self.G // 4) * 4
-        lds, D, Dv, N2 = self.row, self.D, self.Dv, self.N2
-        slots = scratch_slots()
-        st = self.accumulator               # keys staged widened: the tile loads them as is
-        floats = G4 * (D + lds + Dv) + 2 * lds
-        index = max(D, _attention.CHUNK) + lds
-        staged = self.chunks * N2 * _attention.CHUNK
-        return [("kt", staged * D, st), ("vrow", staged * Dv, st),
-                ("ranges", self.T1 * 4, np.dtype(np.int64)),
-                ("scratch", slots * _round16(floats), self.accumulator),
-                ("index", slots * _round16(index), np.dtype(np.int64))]
+    def forward_step(self, w, useful, ranges):
+        _launch(_attention.cmp_forward, useful, 4, self.rows("query"), self.q_starts,
+                self.kv_starts, self.chunk_starts, self.sel_starts, ranges, w["kt"],
+                w["vrow"], self.mask, self.geo, self.topk_mask, self.rows("attention_out"),
+                self.arrays["topk"], self.rows("softmax_max"), self.rows("softmax_sum"),
+                w["scratch"], w["index"], self.G, self.row,
+                self.accumulator.type(self.scale), self.m, self.n)
 
 
-@dataclass(frozen=True, kw_only=True)
-class DenseGradPlan(_Chunks, AttentionPlan):
-    """A checked gradient of dense attention (compressed attention's), ready to launch."""
-    dtype: np.dtype
-    T1: int
-    N2: int
-    G: int
-    D: int
-    Dv: int
-    scale: float
-    q_starts: np.ndarray
-    kv_starts: np.ndarray
-    chunk_starts: np.ndarray
-    chunk_row: np.ndarray
-    chunk_len: np.ndarray
-    atten_mask: np.ndarray
-    arrays: dict
-    pending: dict = field(default_factory=dict)
-    op: str = "compress_attention_grad"
-
-    def summary(self):
-        return (f"{self.op} T1={self.T1} N1={self.N2 * self.G} N2={self.N2} D={self.D} "
-                f"Dv={self.Dv}")
-
-    def layout(self):
-        G4 = -(-self.G // 4) * 4
-        lds, D, Dv, N2, C = self.row, self.D, self.Dv, self.N2, _attention.CHUNK
-        R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
-        slots = scratch_slots()
-        st = self.accumulator
-        dq_floats = G4 * (D + Dv) + 2 * G4 * lds + 3 * G4 + G4 * D
-        owner_floats = R * (D + Dv) + 2 * R * (C + _attention.KEY_ALIGN) + 3 * R + C * (D + Dv)
-        index = max(D, Dv, lds, R)
-        staged = self.chunks * N2 * C
-        return [("kt", staged * D, st), ("krow", staged * D, st), ("vt", staged * Dv, st),
-                ("ranges", self.T1 * 4, np.dtype(np.int64)),
-                ("work", self.chunks + 1, np.dtype(np.int64)),
-                ("scratch", slots * _round16(max(dq_floats, owner_floats)), self.accumulator),
-                ("index", slots * _round16(index), np.dtype(np.int64))]
+def _dense_fields(dtype, T1, N2, G, D, Dv, scale, q_starts, kv_starts, mask):
+    """A compressed-attention plan's dense fields: TND, every key of the sequence
+    under ``mask``."""
+    return dict(dtype=dtype, T1=T1, N2=N2, G=G, Gu=G, D=D, Dv=Dv, scale=scale,
+                q_starts=q_starts, kv_starts=kv_starts, **chunks(kv_starts),
+                geo=unbounded(q_starts.size - 1), mask=mask, mstep=0, mask_heads=1,
+                zero_rows=False, input_layout="TND")
 
 
 def _mask(rules, key, mask, rows, cols, what):
-    """A mask as C-contiguous uint8 (no copy when it already is one), its shape at least
-    ``[rows, cols]``; an empty one for None."""
+    """A mask as uint8 (a view), its shape at least ``[rows, cols]``; an empty one for
+    None."""
     if mask is None:
         return np.zeros((0, 0), np.uint8)
     name, op = rules.names[key], rules.op
@@ -191,7 +107,7 @@ def _mask(rules, key, mask, rows, cols, what):
     if mask.ndim != 2 or mask.shape[0] < rows or mask.shape[1] < cols:
         raise invalid(op, f"{name} must be 2-D and cover [{rows}, {cols}] ({what}), got "
                           f"shape {mask.shape}")
-    return np.ascontiguousarray(mask).view(np.uint8)
+    return mask.view(np.uint8)                  # any strides: the kernels index it
 
 
 def _check_window(rules, block, stride, select_block, count):
@@ -289,9 +205,9 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
     _no_overlap(rules, outputs, inputs)
     arrays = {"query": query, "key": key, "value": value, **outputs}
     return CompressAttentionPlan(
-        dtype=dtype, T1=T1, N2=N2, G=G, D=D, Dv=Dv, count=count, m=m, n=n, scale=scale,
-        q_starts=q_starts, kv_starts=kv_starts, **_chunks(kv_starts),
-        sel_starts=sel_starts.astype(np.int64), atten_mask=mask, topk_mask=forced,
+        op="compress_attention",
+        **_dense_fields(dtype, T1, N2, G, D, Dv, scale, q_starts, kv_starts, mask),
+        count=count, m=m, n=n, sel_starts=sel_starts.astype(np.int64), topk_mask=forced,
         arrays=arrays, pending={k: shapes[k] for k, a in outputs.items() if a is None})
 
 
@@ -334,62 +250,8 @@ def plan_compress_attention_grad(rules, grad, query, key, value, attention_out, 
     _no_overlap(rules, outputs, arrays)
     arrays.pop("atten_mask", None)
     arrays.update(outputs)
-    return DenseGradPlan(dtype=dtype, T1=T1, N2=N2, G=N1 // N2, D=D, Dv=Dv, scale=scale,
-                         q_starts=q_starts, kv_starts=kv_starts, **_chunks(kv_starts),
-                         atten_mask=mask, arrays=arrays,
-                         pending={k: shapes[k] for k, a in outputs.items() if a is None})
-
-
-def run_compress_attention(plan, workspace=None, threads=None):
-    """Launch a planned forward or gradient (the pipeline's ``launch``)."""
-    for _, step in compress_attention_steps(plan, workspace, threads):
-        step()
-
-
-def compress_attention_steps(plan, workspace=None, threads=None):
-    """A planned call's launches in order, as ``(name, function of no arguments)``:
-    "stage" and "ranges" (the rows' visible keys), then the forward's "forward", or
-    the gradient's "dq", "order" (the key owners by work) and "dk dv"."""
-    if plan.units == 0 and plan.op == "compress_attention":
-        return []
-    w = plan.carve(workspace)
-    useful = plan.threads_useful if threads is None else min(threads, plan.threads_useful)
-    scale = plan.accumulator.type(plan.scale)
-    st = plan.storage
-    empty = np.zeros(0, plan.accumulator)
-    staged = (w["kt"], empty, w["vrow"], empty) if plan.op == "compress_attention" else \
-        (w["kt"], w["krow"], empty, w["vt"])
-    ranges = w["ranges"].reshape(plan.T1, 4)
-    steps = [("stage", lambda: _launch(_attention.dense_stage, useful, 1, st("key"),
-                                       st("value"), plan.chunk_row, plan.chunk_len,
-                                       *staged)),
-             ("ranges", lambda: _launch(_attention.dense_ranges, useful, 64, plan.atten_mask,
-                                        plan.q_starts, plan.kv_starts, ranges))]
-    if plan.op == "compress_attention":
-        steps.append(("forward", lambda: _launch(
-            _attention.cmp_forward, useful, 4, st("query"), plan.q_starts, plan.kv_starts,
-            plan.chunk_starts, plan.sel_starts, ranges, w["kt"], w["vrow"], plan.atten_mask,
-            plan.topk_mask, st("attention_out"), plan.arrays["topk"],
-            plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
-            w["index"], plan.G, plan.row, scale, plan.m, plan.n)))
-        return steps
-    common = (st("query"), st("grad"), st("attention_out"), plan.arrays["softmax_max"],
-              plan.arrays["softmax_sum"], plan.q_starts, plan.kv_starts, plan.chunk_starts,
-              ranges)
-    if plan.units:
-        steps.append(("dq", lambda: _launch(
-            _attention.dense_grad_dq, useful, 4, *common, w["kt"], w["krow"], w["vt"],
-            plan.atten_mask, st("dq"), w["scratch"], w["index"], plan.G, plan.row, scale)))
-    order = []
-
-    def rank():
-        _attention.chunk_work(ranges, plan.q_starts, plan.chunk_starts, w["work"])
-        # the threads take the owners with the most rows first (ties by index)
-        work = np.repeat(w["work"][:-1], plan.N2)
-        order[:] = [np.argsort(-work, kind="stable")]
-
-    steps.append(("order", rank))
-    steps.append(("dk dv", lambda: _launch(
-        _attention.dense_grad_dkdv, useful, 1, *common, order[0], w["kt"], w["vt"],
-        plan.atten_mask, st("dk"), st("dv"), w["scratch"], w["index"], plan.G, scale)))
-    return steps
+    return DensePlan(op="compress_attention_grad",
+                     **_dense_fields(dtype, T1, N2, N1 // N2, D, Dv, scale, q_starts,
+                                     kv_starts, mask),
+                     arrays=arrays,
+                     pending={k: shapes[k] for k, a in outputs.items() if a is None})

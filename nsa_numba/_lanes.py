@@ -13,8 +13,9 @@ instructions:
 ``lload_wide(a, i)``                 the same of float32 or 16-bit storage, widened
 ``lstore_narrow(a, i, v)``           ``v`` rounded to ``a``'s float32, bfloat16
                                      (int16) or float16 (uint16) storage
-``lload_wide_at(a, t, h, e)``,       the same for ``a[t, h, e:e + 16]`` of a 3-axis
-``lstore_narrow_at(a, t, h, e, v)``  array (no view made)
+``lload_wide_at(a, t, s, h, e)``,    the same for ``a[t, h, e:e + 16]`` of a 3-axis
+``lstore_narrow_at(a, t, s, h,       array (``s`` unused) or ``a[t, s, h, e:e + 16]``
+e, v)``                              of a 4-axis one (no view made)
 ``lfma(acc, w, v)``                  ``w * v + acc`` per lane, rounded once (LLVM's
                                      ``fma``: the same correctly rounded result on
                                      every CPU; a library call where there is no
@@ -159,19 +160,33 @@ def lload_wide(typingctx, arr, i):
     return lanes(arr, i), codegen
 
 
+def _row_pointer(context, builder, sig, args):
+    """The pointer to ``arr[a, h, e]`` (3 axes; ``s`` unused) or ``arr[a, s, h, e]``
+    (4 axes) for arguments ``(arr, a, s, h, e, ...)``."""
+    aryty = sig.args[0]
+    axes = (1, 3, 4) if aryty.ndim == 3 else (1, 2, 3, 4)
+    array = context.make_array(aryty)(context, builder, args[0])
+    index = [context.cast(builder, args[d], sig.args[d], types.intp) for d in axes]
+    return cgutils.get_item_pointer(context, builder, aryty, array, index, wraparound=False)
+
+
+def _row_args(arr, index):
+    return (isinstance(arr, types.Array) and arr.ndim in (3, 4) and arr.dtype in _STORAGES
+            and all(isinstance(x, types.Integer) for x in index))
+
+
 @intrinsic
-def lload_wide_at(typingctx, arr, t, h, e):
-    """``arr[t, h, e:e + 16]`` of a 3-axis array of any layout, widened as by
-    ``lload_wide``; the caller checks that the last axis is contiguous. No view is
-    made (a view would count a reference on the array, an atomic operation on memory
-    every thread shares)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 3 and arr.dtype in _STORAGES
-            and all(isinstance(x, types.Integer) for x in (t, h, e))):
+def lload_wide_at(typingctx, arr, a, s, h, e):
+    """``arr[a, h, e:e + 16]`` of a 3-axis array (``s`` unused) or ``arr[a, s, h, e:e +
+    16]`` of a 4-axis one, of any layout, widened as by ``lload_wide``; the caller
+    checks that the last axis is contiguous. No view is made (a view would count a
+    reference on the array, an atomic operation on memory every thread shares)."""
+    if not _row_args(arr, (a, s, h, e)):
         return None
 
     def codegen(context, builder, sig, args):
-        return _widen_from(builder, sig.args[0], _item_pointer(context, builder, sig, args, 3))
-    return lanes(arr, t, h, e), codegen
+        return _widen_from(builder, sig.args[0], _row_pointer(context, builder, sig, args))
+    return lanes(arr, a, s, h, e), codegen
 
 
 @intrinsic
@@ -228,18 +243,16 @@ def lstore_narrow(typingctx, arr, i, value):
 
 
 @intrinsic
-def lstore_narrow_at(typingctx, arr, t, h, e, value):
-    """``arr[t, h, e:e + 16] = value`` as ``lstore_narrow`` rounds it, for a 3-axis
-    array of any layout whose last axis is contiguous (no view made)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 3 and arr.dtype in _STORAGES
-            and all(isinstance(x, types.Integer) for x in (t, h, e)) and value == lanes):
+def lstore_narrow_at(typingctx, arr, a, s, h, e, value):
+    """``lload_wide_at``'s row ``= value`` as ``lstore_narrow`` rounds it, for an array
+    of any layout whose last axis is contiguous (no view made)."""
+    if not (_row_args(arr, (a, s, h, e)) and value == lanes):
         return None
 
     def codegen(context, builder, sig, args):
-        _narrow_to(builder, sig.args[0], _item_pointer(context, builder, sig, args, 3),
-                   args[4])
+        _narrow_to(builder, sig.args[0], _row_pointer(context, builder, sig, args), args[5])
         return context.get_dummy_value()
-    return types.none(arr, t, h, e, value), codegen
+    return types.none(arr, a, s, h, e, value), codegen
 
 
 @intrinsic

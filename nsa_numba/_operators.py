@@ -11,8 +11,8 @@ from . import _dispatch
 from ._infer import plan_infer
 from ._pipeline import Operator, register
 from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
-from ._compress_attention import (plan_compress_attention, plan_compress_attention_grad,
-                                  run_compress_attention)
+from ._compress_attention import plan_compress_attention, plan_compress_attention_grad
+from ._dense import run_dense
 from ._select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
@@ -64,7 +64,7 @@ SELECT_GRAD = register(Operator(
 #: softmax_sum)
 COMPRESS_ATTENTION = register(Operator(
     name="compress_attention", planner=plan_compress_attention,
-    launch=run_compress_attention,
+    launch=run_dense,
     results=lambda plan: (plan.arrays["attention_out"], plan.arrays["topk"],
                           plan.arrays["softmax_max"], plan.arrays["softmax_sum"])))
 
@@ -73,5 +73,6 @@ COMPRESS_ATTENTION = register(Operator(
 #: head_num, atten_mask, actual_seq_qlen, actual_cmp_seq_kvlen, dq, dk, dv) -> (dq, dk, dv)
 COMPRESS_ATTENTION_GRAD = register(Operator(
     name="compress_attention_grad", planner=plan_compress_attention_grad,
-    launch=run_compress_attention,
+    launch=run_dense,
     results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))
+

@@ -614,11 +614,11 @@ _entries = {}
 
 
 def _entry(kernel, args):
-    """The compiled ``kernel`` for ``args`` with every 3-axis array typed as of any
-    layout: the kernels read and write those arrays an element at a time, where the
-    layout costs nothing, and one variant per dtype serves every memory order (each
-    other layout would compile again for seconds: docs/design.md, "What a kernel
-    costs to compile")."""
+    """The compiled ``kernel`` for ``args`` with every 3- or 4-axis array (and 2-axis
+    uint8 mask) typed as of any layout: the kernels read and write those arrays an
+    element at a time, where the layout costs nothing, and one variant per dtype
+    serves every memory order (each other layout would compile again for seconds:
+    docs/design.md, "What a kernel costs to compile")."""
     types = tuple(_any_layout(numba.typeof(a)) for a in args)
     fn = _entries.get((kernel, types))
     if fn is None:
@@ -627,6 +627,7 @@ def _entry(kernel, args):
 
 
 def _any_layout(t):
-    if isinstance(t, numba.types.Array) and t.ndim == 3:
-        return numba.types.Array(t.dtype, 3, "A", aligned=t.aligned)
+    if isinstance(t, numba.types.Array) and (t.ndim in (3, 4) or (
+            t.ndim == 2 and t.dtype == numba.types.uint8)):     # and masks
+        return numba.types.Array(t.dtype, t.ndim, "A", aligned=t.aligned)
     return t

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .. import _compress_attention, _pipeline, _select, api
+from .. import _compress_attention, _dense, _pipeline, _select, api
 from .._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, SELECT, SELECT_GRAD
 from .cases import (CMP_CASES, CMP_WINDOW, SELECT_CASES, cmp_lengths, cmp_problem,
                     cmp_visible, select_problem, visible_keys)
@@ -287,7 +287,7 @@ def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
         result["backward_pct"] = 100 * result["backward_gflops"] / rate
     if split:
         steps = [(f"{p.op} {name}", fn) for p in plans
-                 for name, fn in _compress_attention.compress_attention_steps(p)]
+                 for name, fn in _dense.dense_steps(p)]
         times = round_times([fn for _, fn in steps], repeat)
         work = {"compress_attention forward": flops[0],
                 "compress_attention_grad dq": 2 * keys * (2 * D + Dv),
