@@ -6,7 +6,9 @@ The same computation as Huawei CANN's ``aclnnNsaCompress``,
 ``npu_nsa_compress_grad`` / ``npu_nsa_compress_infer`` /
 ``npu_nsa_select_attention`` / ``_grad``) for packed variable-length sequences in
 layout TND and paged KV caches; and ``aclnnNsaCompressAttention``
-(``npu_nsa_compress_attention``) with its gradient.
+(``npu_nsa_compress_attention``) with its gradient; and torch_npu's generic
+attention ``npu_fusion_attention`` / ``_grad`` (sparse modes 0 to 4), the NSA
+window branch.
 """
 
 from . import _threading
@@ -18,16 +20,17 @@ from ._errors import NsaError  # noqa: E402
 from ._firstrun import compile_messages  # noqa: E402
 from ._pool import keep_outputs, release_outputs  # noqa: E402
 from ._threading import threads  # noqa: E402
-from .api import (nsa_compress, nsa_compress_attention,  # noqa: E402
-                  nsa_compress_attention_grad, nsa_compress_grad, nsa_compress_infer,
-                  nsa_select_attention, nsa_select_attention_grad)
+from .api import (fusion_attention, fusion_attention_grad, nsa_compress,  # noqa: E402
+                  nsa_compress_attention, nsa_compress_attention_grad, nsa_compress_grad,
+                  nsa_compress_infer, nsa_select_attention, nsa_select_attention_grad)
 from ._warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
 
 _firstrun.install()
 
-__all__ = ["NsaError", "compile_messages", "keep_outputs", "nsa_compress",
+__all__ = ["NsaError", "compile_messages", "fusion_attention", "fusion_attention_grad",
+           "keep_outputs", "nsa_compress",
            "nsa_compress_attention", "nsa_compress_attention_grad", "nsa_compress_grad",
            "nsa_compress_infer", "nsa_select_attention", "nsa_select_attention_grad",
            "release_outputs", "threads", "warmup", "__version__"]

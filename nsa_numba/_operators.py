@@ -7,12 +7,15 @@ writing those, and a record below; nothing else in the call path changes
 (docs/design.md, "Adding an operator").
 """
 
+import numpy as np
+
 from . import _dispatch
 from ._infer import plan_infer
 from ._pipeline import Operator, register
 from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
 from ._compress_attention import plan_compress_attention, plan_compress_attention_grad
 from ._dense import run_dense
+from ._fusion import numels, plan_fusion, plan_fusion_grad
 from ._select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
@@ -76,3 +79,21 @@ COMPRESS_ATTENTION_GRAD = register(Operator(
     launch=run_dense,
     results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))
 
+#: npu_fusion_attention (the NPU's generic attention, modes 0 to 4): args (query, key,
+#: value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+#: pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+#: sparse_mode, softmax_layout, attention_out, softmax_max, softmax_sum) ->
+#: (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)
+FUSION_ATTENTION = register(Operator(
+    name="fusion_attention", planner=plan_fusion, launch=run_dense,
+    results=lambda plan: (plan.arrays["attention_out"], plan.arrays["softmax_max"],
+                          plan.arrays["softmax_sum"], np.zeros(0, plan.dtype), 0, 0,
+                          numels(plan))))
+
+#: npu_fusion_attention_grad: args (query, key, value, dy, head_num, input_layout, pse,
+#: padding_mask, atten_mask, softmax_max, softmax_sum, attention_in, scale_value,
+#: keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
+#: actual_seq_kvlen, sparse_mode, softmax_layout, dq, dk, dv) -> (dq, dk, dv, None)
+FUSION_ATTENTION_GRAD = register(Operator(
+    name="fusion_attention_grad", planner=plan_fusion_grad, launch=run_dense,
+    results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"], None)))

@@ -103,6 +103,12 @@ def _steps(dtype, strided):
                                         atten_mask=np.zeros((64, 7), bool),
                                         actual_seq_qlen=ends, actual_cmp_seq_kvlen=[7, 14],
                                         strict=False)
+        # fusion attention (the window branch) shares the dense kernels but its forward
+        kw = dict(atten_mask=np.ones((2048, 2048), bool), sparse_mode=4, pre_tockens=15,
+                  next_tockens=0, actual_seq_qlen=ends, actual_seq_kvlen=ends, strict=False)
+        out, smax, ssum, *_ = api.fusion_attention(q, k, v, 2, "TND", **kw)
+        api.fusion_attention_grad(q, k, v, out.copy(), 2, "TND", softmax_max=smax,
+                                  softmax_sum=ssum, attention_in=out, **kw)
 
     width = _simd.WIDTH
     steps = [
@@ -114,7 +120,7 @@ def _steps(dtype, strided):
          lambda: backward(96, 2, 2 * width, grad_view=_contracted)),
         ("decoding", "decoding step, one thread", lambda: decode(2, False)),
         ("decoding", "decoding step, threads", lambda: decode(64, True)),
-        ("attention", "attention: selected, compressed, with gradients", attention),
+        ("attention", "attention: selected, compressed, window, with gradients", attention),
     ]
     if strided:
         for name, view in _VIEWS.items():

@@ -4,7 +4,9 @@
 from . import _pipeline
 from ._infer import infer_rules
 from ._compress_attention import compress_attention_rules
+from ._fusion import NO_BOUND, fusion_rules
 from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, COMPRESS_GRAD,
+                         FUSION_ATTENTION, FUSION_ATTENTION_GRAD,
                          COMPRESS_INFER, SELECT, SELECT_GRAD)
 from ._plan import Rules
 from ._select import select_rules
@@ -306,3 +308,84 @@ def nsa_compress_attention_grad(grad, query, key, value, attention_out, softmax_
                           (grad, query, key, value, attention_out, softmax_max, softmax_sum,
                            scale_value, head_num, atten_mask, actual_seq_qlen,
                            actual_cmp_seq_kvlen, dq, dk, dv))
+
+
+_FUSION, _FUSION_GRAD = "fusion_attention", "fusion_attention_grad"
+_FUSION_RULES = {(grad, strict): fusion_rules(_FUSION_GRAD if grad else _FUSION, grad=grad,
+                                              strict=strict)
+                 for grad in (False, True) for strict in (False, True)}
+
+
+def fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                     atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=NO_BOUND,
+                     next_tockens=NO_BOUND, inner_precise=0, prefix=None,
+                     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                     gen_mask_parallel=True, sync=False, softmax_layout="", *,
+                     attention_out=None, softmax_max=None, softmax_sum=None, strict=True):
+    """torch_npu's ``npu_fusion_attention`` (the NPU's generic attention) on NumPy
+    arrays, for the sparse modes 0 to 4.
+
+    ``S = scale * q k^T`` per head (query head ``h`` reads KV head ``h // (N1 / N2)``),
+    masked scores replaced by -FLT_MAX, ``P = softmax(S)`` in float32, ``out = P v``
+    rounded once. Which keys a query row sees: ``sparse_mode`` 0, ``atten_mask`` (True
+    or 1 = masked) and the band ``i - pre_tockens <= j <= i + next_tockens``; 1, the
+    mask alone; 2, causal from the top-left corner; 3, causal from the bottom-right;
+    4, the band ``[i + off - pre_tockens, i + off + next_tockens]`` with ``off = Skv -
+    Sq`` (the sliding window of ``w`` keys: ``pre_tockens = w - 1, next_tockens = 0``).
+    Modes 2 to 4 take the 2048 x 2048 upper-triangle mask (not read); without
+    ``atten_mask`` every key is visible, whatever the mode.
+
+    ``input_layout``: "TND" (``actual_seq_qlen`` / ``actual_seq_kvlen``: prefix sums
+    of the lengths, required), "BSND", "BNSD", "BSH", "SBH" (any case). ``query``,
+    ``key``, ``value``: float16, bfloat16, float32 (or float64), any strides.
+
+    Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
+    numels)``: the output in the query's layout with Dv; the row statistics (max
+    and sum of ``exp(S - max)``, each in 8 lanes) ``[T1, N1, 8]`` for TND, ``[B, N1,
+    Sq, 8]`` else, float32; an empty ``softmax_out``; 0, 0 (no dropout); ``N1 * sum Sq
+    * Skv``. ``gen_mask_parallel`` and ``sync`` are accepted and have no effect. Rows
+    that see no key: see docs/reference.md, "Fusion attention". ``pse``,
+    ``padding_mask``, ``prefix``, ``keep_prob < 1`` and modes 5 to 8 raise
+    NotImplementedError; bad input raises NsaError (``strict``: the NPU's limits
+    too, 561002). Outputs may be given, to be written in place.
+    """
+    rules = _FUSION_RULES.get((False, strict)) if type(strict) is bool else None
+    return _pipeline.call(FUSION_ATTENTION,
+                          rules or fusion_rules(_FUSION, strict=strict),
+                          (query, key, value, head_num, input_layout, pse, padding_mask,
+                           atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                           inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+                           sparse_mode, softmax_layout, attention_out, softmax_max,
+                           softmax_sum))
+
+
+def fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+                          padding_mask=None, atten_mask=None, softmax_max=None,
+                          softmax_sum=None, softmax_in=None, attention_in=None,
+                          scale_value=1.0, keep_prob=1.0, pre_tockens=NO_BOUND,
+                          next_tockens=NO_BOUND, inner_precise=0, seed=0, offset=0, numels=0,
+                          prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                          sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout="",
+                          dq=None, dk=None, dv=None, strict=True):
+    """torch_npu's ``npu_fusion_attention_grad``: the gradient of
+    :func:`fusion_attention` for ``query``, ``key`` and ``value`` given ``dy`` (the
+    gradient of ``attention_out``), the forward's ``attention_in`` (its output),
+    ``softmax_max`` and ``softmax_sum``, and the forward's other arguments.
+
+    ``dS = P (dy v^T - delta)``, ``delta = sum dy * attention_in``, P rebuilt from the
+    statistics; ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dy``, summed in
+    float32 and rounded once. A row with equal weights over masked keys passes its
+    values ``dy / count`` and nothing to q and k; a row without keys passes nothing.
+    dk and dv are computed by the owner of each chunk of keys (no atomics): the result
+    is bitwise identical for any thread count. Returns ``(dq, dk, dv, None)`` (no
+    ``pse``, so no ``dpse``). ``softmax_in``, ``seed``, ``offset``, ``numels``,
+    ``gen_mask_parallel`` and ``sync`` are accepted and not read.
+    """
+    rules = _FUSION_RULES.get((True, strict)) if type(strict) is bool else None
+    return _pipeline.call(FUSION_ATTENTION_GRAD,
+                          rules or fusion_rules(_FUSION_GRAD, grad=True, strict=strict),
+                          (query, key, value, dy, head_num, input_layout, pse, padding_mask,
+                           atten_mask, softmax_max, softmax_sum, attention_in, scale_value,
+                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+                           actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, dq,
+                           dk, dv))

@@ -285,6 +285,177 @@ def attention_grad(grad, query, key, value, scale, atten_mask=None, actual_seq_q
     return dq, dk, dv
 
 
+def _rows_of(x, layout, heads):
+    """An operator array of ``layout`` as float64 ``[B, S, N, X]``."""
+    x = np.asarray(x, np.float64)
+    if layout == "TND":
+        return x[None]
+    if layout == "BNSD":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        return x.reshape(x.shape[0], x.shape[1], heads, -1)
+    if layout == "SBH":
+        return x.transpose(1, 0, 2).reshape(x.shape[1], x.shape[0], heads, -1)
+    return x
+
+
+def _layout_of(y, layout):
+    """``_rows_of``'s inverse."""
+    B, S, N, X = y.shape
+    if layout == "TND":
+        return y[0]
+    if layout == "BNSD":
+        return y.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        return y.reshape(B, S, N * X)
+    if layout == "SBH":
+        return y.reshape(B, S, N * X).transpose(1, 0, 2)
+    return y
+
+
+def fusion_visibility(sparse_mode, Sq, Skv, pre_tockens, next_tockens, masked):
+    """``(visible, admitted)`` ``[Sq, Skv]`` booleans of one sequence and head of fusion
+    attention: the keys a row sees, and those its band admits (over which a row whose
+    keys the mask hides all takes equal weights). ``masked``: the mask's ``[Sq, Skv]``
+    block (True = masked), or None for no mask (every key visible)."""
+    if masked is None:
+        every = np.ones((Sq, Skv), bool)
+        return every, every
+    i = np.arange(Sq)[:, None]
+    j = np.arange(Skv)[None, :]
+    off = Skv - Sq
+    if sparse_mode == 0:
+        band = (j >= i - pre_tockens) & (j <= i + next_tockens)
+        return band & ~masked, band
+    if sparse_mode == 1:
+        return ~masked, np.ones((Sq, Skv), bool)
+    band = {2: j <= i, 3: j <= i + off,
+            4: (j >= i + off - pre_tockens) & (j <= i + off + next_tockens)}[sparse_mode]
+    band = np.broadcast_to(band, (Sq, Skv))
+    return band, band
+
+
+def _fusion_blocks(q, k, layout, atten_mask, actual_seq_qlen, actual_seq_kvlen,
+                   sparse_mode):
+    """Per sequence ``(a, q0, q1, k0, k1, masks)``: its rows of the ``[B, S, N, X]``
+    arrays and a function of the head giving its mask block (None: no mask)."""
+    B, N1 = q.shape[0], q.shape[2]
+    if atten_mask is not None and sparse_mode >= 2:     # the mode's band, not the mask
+        atten_mask = np.zeros((q.shape[1], k.shape[1]), bool)
+        if layout != "TND":
+            atten_mask = atten_mask[None, None]
+    if layout == "TND":
+        qs, ks = [int(x) for x in actual_seq_qlen], [int(x) for x in actual_seq_kvlen]
+        while len(qs) > 1 and qs[-1] == 0 and ks[-1] == 0:     # dropped batches
+            qs, ks = qs[:-1], ks[:-1]
+        qb = _sequence_bounds(q.shape[1], qs)
+        kb = _sequence_bounds(k.shape[1], ks)
+        most = (max(b - a for a, b in qb), max(b - a for a, b in kb))
+        m = None if atten_mask is None else np.asarray(atten_mask).astype(bool)
+        for (q0, q1), (k0, k1) in zip(qb, kb):
+            if m is None:
+                block = None
+            elif m.shape == most or sparse_mode >= 2:
+                block = m[:q1 - q0, :k1 - k0]
+            else:
+                block = m[q0:q1, k0:k1]
+            yield 0, q0, q1, k0, k1, (lambda h, block=block: block)
+        return
+    Sq, Skv = q.shape[1], k.shape[1]
+    m = None
+    if atten_mask is not None:
+        m = np.asarray(atten_mask).astype(bool)
+        m = np.broadcast_to(m if m.ndim == 4 else m[None, None], (B, N1, Sq, Skv))
+    for a in range(B):
+        yield a, 0, Sq, 0, Skv, (lambda h, a=a: None if m is None else m[a, h])
+
+
+def _fusion_rows(query, key, value, head_num, input_layout, atten_mask, scale, pre_tockens,
+                 next_tockens, inner_precise, actual_seq_qlen, actual_seq_kvlen, sparse_mode):
+    """For each sequence and query head: ``(a, q0, k0, h, j, P, rows, uniform)``, P the
+    float64 weights ``[Sq, Skv]``, ``rows`` the states (0 sees keys, 1 equal weights,
+    2 none) and the layout's arrays as ``[B, S, N, X]``."""
+    layout = input_layout.upper()
+    q = _rows_of(query, layout, head_num)
+    k = _rows_of(key, layout, None if layout not in ("BSH", "SBH") else
+                 np.asarray(key).shape[2] // q.shape[3])
+    v = _rows_of(value, layout, k.shape[2])
+    group = q.shape[2] // k.shape[2]
+    out = []
+    for a, q0, q1, k0, k1, masks in _fusion_blocks(q, k, layout, atten_mask, actual_seq_qlen,
+                                                   actual_seq_kvlen, sparse_mode):
+        for h in range(q.shape[2]):
+            j = h // group
+            visible, admitted = fusion_visibility(sparse_mode, q1 - q0, k1 - k0, pre_tockens,
+                                                  next_tockens, masks(h))
+            s = scale * (q[a, q0:q1, h] @ k[a, k0:k1, j].T)
+            s = np.where(visible, s, MASKED_SCORE)
+            state = np.where(visible.any(1), 0, np.where(admitted.any(1), 1, 2))
+            if inner_precise >= 2:
+                state[state == 1] = 2
+            top = np.where(state[:, None] == 0, s, -np.inf).max(1, initial=-np.inf)
+            e = np.where(visible, np.exp(s - np.where(state == 0, top, 0)[:, None]), 0.0)
+            e[state == 1] = admitted[state == 1]
+            e[state == 2] = 0
+            total = e.sum(1)
+            p = e / np.where(total > 0, total, 1)[:, None]
+            out.append((a, q0, k0, h, j, p, state, total, top))
+    return q, k, v, out
+
+
+def fusion_attention(query, key, value, head_num, input_layout, atten_mask=None, scale=1.0,
+                     pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0):
+    """torch_npu's ``npu_fusion_attention`` (modes 0 to 4) in float64: ``(out,
+    softmax_max, softmax_sum)``, the output in the layout, the statistics ``[T1, N1]``
+    (TND) or ``[B, N1, Sq]`` (one lane). A row whose keys the mask hides all: equal
+    weights over the keys its band admits (max -FLT_MAX, sum their count), or with
+    ``inner_precise`` 2 or 3 zeros; a row its band leaves no key: zeros, max
+    -FLT_MAX, sum FLT_MAX."""
+    q, k, v, rows = _fusion_rows(query, key, value, head_num, input_layout, atten_mask,
+                                 scale, pre_tockens, next_tockens, inner_precise,
+                                 actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+    B, S, N1 = q.shape[:3]
+    out = np.zeros((B, S, N1, v.shape[3]))
+    smax = np.zeros((B, S, N1))
+    ssum = np.zeros((B, S, N1))
+    biggest = float(np.finfo(np.float32).max)
+    for a, q0, k0, h, j, p, state, total, top in rows:
+        n = p.shape[0]
+        out[a, q0:q0 + n, h] = p @ v[a, k0:k0 + p.shape[1], j]
+        smax[a, q0:q0 + n, h] = np.where(state == 0, top, MASKED_SCORE)
+        ssum[a, q0:q0 + n, h] = np.where(state == 2, biggest, total)
+    layout = input_layout.upper()
+    stats = (smax[0], ssum[0]) if layout == "TND" else (smax.transpose(0, 2, 1),
+                                                         ssum.transpose(0, 2, 1))
+    return (_layout_of(out, layout), *stats)
+
+
+def fusion_attention_grad(dy, query, key, value, head_num, input_layout, atten_mask=None,
+                          scale=1.0, pre_tockens=2147483647, next_tockens=2147483647,
+                          inner_precise=0, actual_seq_qlen=None, actual_seq_kvlen=None,
+                          sparse_mode=0):
+    """The exact float64 gradient of :func:`fusion_attention`: ``(dq, dk, dv)`` in the
+    layout. Masked scores are constants; a row of equal weights passes ``dy / count``
+    to its values only; a row without keys passes nothing."""
+    q, k, v, rows = _fusion_rows(query, key, value, head_num, input_layout, atten_mask,
+                                 scale, pre_tockens, next_tockens, inner_precise,
+                                 actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+    layout = input_layout.upper()
+    g = _rows_of(dy, layout, q.shape[2])
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for a, q0, k0, h, j, p, state, total, top in rows:
+        n, m = p.shape
+        kk, vv, gg = k[a, k0:k0 + m, j], v[a, k0:k0 + m, j], g[a, q0:q0 + n, h]
+        dp = gg @ vv.T
+        ds = p * (dp - (p * dp).sum(1, keepdims=True))
+        ds[state != 0] = 0
+        dq[a, q0:q0 + n, h] = scale * ds @ kk
+        dk[a, k0:k0 + m, j] += scale * ds.T @ q[a, q0:q0 + n, h]
+        dv[a, k0:k0 + m, j] += p.T @ gg
+    return tuple(_layout_of(x, layout) for x in (dq, dk, dv))
+
+
 def abs_terms_forward(x, w, block, stride, actual_seq_len=None, actual_seq_len_type=0):
     """sum_j |w x| per output element: scales the float32 accumulation error bound."""
     return compress(np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64)),

@@ -215,13 +215,37 @@ for lengths in ([200, 120], [96, 256]):
 """
 
 
-def test_a_compressed_attention_step_compiles_within_its_budget(cold):
-    lines = cold(code=CMP_STEP).stderr.splitlines()
+#: and for the window branch (npu_fusion_attention): the dense kernels, its own forward
+FUSION_BUDGET = ["the kernel dense_stage", "the kernel dense_ranges", "the kernel dense_forward",
+                 "the kernel dense_grad_dq", "the planning helper chunk_work",
+                 "the kernel dense_grad_dkdv"]
+
+FUSION_STEP = """
+import numpy as np
+import nsa_numba
+rng = np.random.default_rng(0)
+triu = np.triu(np.ones((2048, 2048), bool), 1)
+for lengths in ([200, 120], [96, 256]):
+    q = rng.standard_normal((sum(lengths), 8, 32)).astype(np.float16)
+    k = rng.standard_normal((sum(lengths), 2, 32)).astype(np.float16)
+    v = rng.standard_normal((sum(lengths), 2, 16)).astype(np.float16)
+    kw = dict(atten_mask=triu, sparse_mode=4, pre_tockens=63, next_tockens=0,
+              actual_seq_qlen=np.cumsum(lengths), actual_seq_kvlen=np.cumsum(lengths))
+    out, smax, ssum, *_ = nsa_numba.fusion_attention(q, k, v, 8, "TND", **kw)
+    nsa_numba.fusion_attention_grad(q, k, v, out, 8, "TND", softmax_max=smax,
+                                    softmax_sum=ssum, attention_in=out, **kw)
+"""
+
+
+@pytest.mark.parametrize("step, budget", [(CMP_STEP, CMP_BUDGET), (FUSION_STEP, FUSION_BUDGET)],
+                         ids=["compressed", "window"])
+def test_a_dense_attention_step_compiles_within_its_budget(cold, step, budget):
+    lines = cold(code=step).stderr.splitlines()
     compiled = [line.split(" ", 2)[2].split(" (")[0] for line in lines
                 if line.startswith("nsa_numba: ")]
     names = [what.removesuffix(" for float16") for what in compiled]
-    assert names == CMP_BUDGET, compiled
-    assert "nsa_numba: compiling" not in cold(code=CMP_STEP).stderr
+    assert names == budget, compiled
+    assert "nsa_numba: compiling" not in cold(code=step).stderr
 
 
 WARMUP_IN_PROCESSES = """
