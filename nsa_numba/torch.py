@@ -32,7 +32,11 @@ operator, so the gradients are the explicit call's bits. Its sequence lengths ar
 lists (or 1-D tensors, read once in eager code); under ``torch.compile`` a new number
 of sequences compiles a new graph (Dynamo guards on a list's length). Compressed
 attention, ``npu_nsa_compress_attention`` (``torch.ops.nsa_numba.nsa_compress_attention``)
-works the same way, its gradient through ``torch.ops.nsa_numba.nsa_compress_attention_grad``.
+works the same way, its gradient through the generic attention's (as torch_npu's is).
+
+The generic attention, ``npu_fusion_attention`` and ``npu_fusion_attention_grad``
+(``torch.ops.nsa_numba.fusion_attention`` / ``_grad``), sparse modes 0 to 4, all five
+layouts: the NSA window branch.
 
 Tensors cross to NumPy without copies (bfloat16 through an int16 view); results
 are the NumPy API's, bit for bit. A call uses at most ``torch.get_num_threads()``
@@ -54,13 +58,18 @@ from ._infer import PY_NAMES as INFER_NAMES
 from ._infer import infer_rules
 from ._compress_attention import PY_NAMES as CMP_NAMES
 from ._compress_attention import compress_attention_rules
-from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, COMPRESS_GRAD,
-                         COMPRESS_INFER, SELECT, SELECT_GRAD)
+from ._fusion import GRAD_NAMES as FUSION_GRAD_NAMES
+from ._fusion import FORWARD_NAMES as FUSION_NAMES
+from ._fusion import NO_BOUND as _NO_BOUND
+from ._fusion import fusion_rules
+from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER,
+                         FUSION_ATTENTION, FUSION_ATTENTION_GRAD, SELECT, SELECT_GRAD)
 from ._plan import PY_NAMES, Rules, without_options
 from ._select import PY_NAMES as SELECT_NAMES
 from ._select import select_rules
 
-__all__ = ["npu_nsa_compress", "npu_nsa_compress_attention", "npu_nsa_compress_grad",
+__all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "npu_nsa_compress",
+           "npu_nsa_compress_attention", "npu_nsa_compress_grad",
            "npu_nsa_compress_infer", "npu_nsa_select_attention",
            "npu_nsa_select_attention_grad", "pad_sequence_ends"]
 
@@ -778,9 +787,7 @@ def npu_nsa_select_attention_grad(grad, query, key, value, attention_out, softma
 # -- compressed attention ----------------------------------------------------------------
 
 _CMP = "npu_nsa_compress_attention"
-_CMP_GRAD = "nsa_compress_attention_grad"     # the registered gradient operator
-_CMP_RULES = {op: compress_attention_rules(op, names=without_options(CMP_NAMES))
-              for op in (_CMP, _CMP_GRAD)}
+_CMP_RULES = {_CMP: compress_attention_rules(_CMP, names=without_options(CMP_NAMES))}
 
 
 def _mask_numpy(op, name, t):
@@ -831,38 +838,6 @@ def _nsa_compress_attention_fake(query, key, value, scale_value, head_num, compr
     return (query.new_empty((T1, N1, value.shape[2])), topk, stats, torch.empty_like(stats))
 
 
-@torch.library.custom_op("nsa_numba::nsa_compress_attention_grad", mutates_args=())
-def _nsa_compress_attention_grad(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                                 value: torch.Tensor, attention_out: torch.Tensor,
-                                 softmax_max: torch.Tensor, softmax_sum: torch.Tensor,
-                                 scale_value: float, head_num: int,
-                                 atten_mask: Optional[torch.Tensor],
-                                 actual_seq_qlen: Optional[List[int]],
-                                 actual_cmp_seq_kvlen: Optional[List[int]]
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = _CMP_GRAD
-    named = (("grad", grad), ("query", query), ("key", key), ("value", value),
-             ("attention_out", attention_out), ("softmax_max", softmax_max),
-             ("softmax_sum", softmax_sum))
-    arrays = [_as_numpy(op, name, t) for name, t in named]
-    results = _pipeline.call(
-        COMPRESS_ATTENTION_GRAD, _CMP_RULES[op],
-        (*arrays, scale_value, head_num, _mask_numpy(op, "atten_mask", atten_mask),
-         actual_seq_qlen, actual_cmp_seq_kvlen, None, None, None),
-        threads=torch.get_num_threads())
-    return tuple(_as_tensor(a) for a in results)
-
-
-@_nsa_compress_attention_grad.register_fake
-def _nsa_compress_attention_grad_fake(grad, query, key, value, attention_out, softmax_max,
-                                      softmax_sum, scale_value, head_num, atten_mask,
-                                      actual_seq_qlen, actual_cmp_seq_kvlen):
-    _check_meta(_CMP_GRAD, ("query", query, 3), ("key", key, 3), ("value", value, 3),
-                ("grad", grad, 3))
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (query, key, value))
-
-
 def _cmp_setup(ctx, inputs, output):
     (query, key, value, scale, head_num, _, _, _, _, _, atten_mask, seq_q, seq_kv,
      _) = inputs
@@ -877,8 +852,16 @@ def _cmp_backward(ctx, grad, _topk_grad, _max_grad, _sum_grad):
     query, key, value, atten_mask, out, smax, ssum = ctx.saved_tensors
     if grad is None or not any(ctx.needs_input_grad[:3]):
         return (None,) * 14
-    dq, dk, dv = torch.ops.nsa_numba.nsa_compress_attention_grad(
-        grad, query, key, value, out, smax, ssum, *ctx.options, atten_mask, *ctx.lengths)
+    scale, head_num = ctx.options
+    seq_q, seq_kv = ctx.lengths
+    if seq_q is None:                   # one sequence: the lists TND requires
+        seq_q, seq_kv = [query.shape[0]], [key.shape[0]]
+    if atten_mask is not None:          # the mask's [max Sq, max Tc] corner, as torch_npu passes
+        atten_mask = atten_mask[:_longest(seq_q), :_longest(seq_kv)]
+    # torch_npu's backward of compressed attention: its generic attention gradient, mode 1
+    dq, dk, dv = torch.ops.nsa_numba.fusion_attention_grad(
+        query, key, value, grad, head_num, "TND", atten_mask, smax, ssum, out, scale, 1.0,
+        _NO_BOUND, _NO_BOUND, 0, seq_q, seq_kv, 1)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None,
             dv if need[2] else None) + (None,) * 11
@@ -893,7 +876,8 @@ def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compres
                                actual_cmp_seq_kvlen=None, actual_sel_seq_kvlen=None):
     """torch_npu.npu_nsa_compress_attention on the CPU: ``(attention_out, topk_indices,
     softmax_max, softmax_sum)``; differentiable in query, key and value (the indices and
-    the statistics are not), through ``torch.ops.nsa_numba.nsa_compress_attention_grad``.
+    the statistics are not), through ``torch.ops.nsa_numba.fusion_attention_grad``
+    (sparse mode 1, as torch_npu's backward).
     See ``nsa_numba.nsa_compress_attention`` for the semantics and the rules, which are
     the strict ones here. ``atten_mask``, ``topk_mask``: bool or uint8 tensors (1 =
     masked, 1 = forced); the three length lists: prefix sums (lists, tuples or 1-D
@@ -918,3 +902,230 @@ def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compres
     query, key, value = _autocast(query, key, value)
     return tuple(torch.ops.nsa_numba.nsa_compress_attention(
         query, key, value, float(scale_value), *ints, topk_mask, atten_mask, *lengths))
+
+
+def _longest(ends):
+    """The longest sequence of prefix sums ``ends`` (ints or SymInts)."""
+    longest, previous = ends[0], ends[0]
+    for end in ends[1:]:
+        longest = torch.sym_max(longest, end - previous)
+        previous = end
+    return longest
+
+
+# -- the generic attention (npu_fusion_attention) -----------------------------------------
+
+_FUSION = "npu_fusion_attention"
+_FUSION_GRAD = "npu_fusion_attention_grad"
+_FUSION_RULES = {op: fusion_rules(op, grad=grad, names={
+    k: v for k, v in (FUSION_GRAD_NAMES if grad else FUSION_NAMES).items() if k != "strict"})
+    for op, grad in ((_FUSION, False), (_FUSION_GRAD, True))}
+
+
+@torch.library.custom_op("nsa_numba::fusion_attention", mutates_args=())
+def _fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      head_num: int, input_layout: str, atten_mask: Optional[torch.Tensor],
+                      scale: float, keep_prob: float, pre_tockens: int, next_tockens: int,
+                      inner_precise: int, actual_seq_qlen: Optional[List[int]],
+                      actual_seq_kvlen: Optional[List[int]], sparse_mode: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _FUSION
+    results = _pipeline.call(
+        FUSION_ATTENTION, _FUSION_RULES[op],
+        (_as_numpy(op, "query", query), _as_numpy(op, "key", key),
+         _as_numpy(op, "value", value), head_num, input_layout, None, None,
+         _mask_numpy(op, "atten_mask", atten_mask), scale, keep_prob, pre_tockens,
+         next_tockens, inner_precise, None, actual_seq_qlen, actual_seq_kvlen, sparse_mode, "",
+         None, None, None), threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results[:3])
+
+
+def _fusion_shapes(query, key, value, head_num, layout):
+    """The output's and the statistics' shapes (ints or SymInts) of ``layout``."""
+    layout = layout.upper()
+    if layout == "TND":
+        return (query.shape[0], head_num, value.shape[2]), (query.shape[0], head_num, 8)
+    if layout in ("BSND", "BNSD"):
+        B, Dv = query.shape[0], value.shape[3]
+        Sq = query.shape[1] if layout == "BSND" else query.shape[2]
+        out = (B, Sq, head_num, Dv) if layout == "BSND" else (B, head_num, Sq, Dv)
+        return out, (B, head_num, Sq, 8)
+    D = query.shape[2] // head_num
+    N2 = key.shape[2] // D
+    Dv = value.shape[2] // N2
+    B, Sq = (query.shape[0], query.shape[1]) if layout == "BSH" else (query.shape[1],
+                                                                       query.shape[0])
+    out = (B, Sq, head_num * Dv) if layout == "BSH" else (Sq, B, head_num * Dv)
+    return out, (B, head_num, Sq, 8)
+
+
+def _fusion_dims(query):
+    return 4 if query.dim() == 4 else 3
+
+
+@_fusion_attention.register_fake
+def _fusion_attention_fake(query, key, value, head_num, input_layout, atten_mask, scale,
+                           keep_prob, pre_tockens, next_tockens, inner_precise,
+                           actual_seq_qlen, actual_seq_kvlen, sparse_mode):
+    n = _fusion_dims(query)
+    _check_meta(_FUSION, ("query", query, n), ("key", key, n), ("value", value, n))
+    out, stats = _fusion_shapes(query, key, value, head_num, input_layout)
+    stat = query.new_empty(stats, dtype=_stat_dtype(query))
+    return query.new_empty(out), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("nsa_numba::fusion_attention_grad", mutates_args=())
+def _fusion_attention_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           dy: torch.Tensor, head_num: int, input_layout: str,
+                           atten_mask: Optional[torch.Tensor], softmax_max: torch.Tensor,
+                           softmax_sum: torch.Tensor, attention_in: torch.Tensor,
+                           scale_value: float, keep_prob: float, pre_tockens: int,
+                           next_tockens: int, inner_precise: int,
+                           actual_seq_qlen: Optional[List[int]],
+                           actual_seq_kvlen: Optional[List[int]], sparse_mode: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _FUSION_GRAD
+    arrays = [_as_numpy(op, name, t) for name, t in (
+        ("query", query), ("key", key), ("value", value), ("dy", dy))]
+    saved = [_as_numpy(op, name, t) for name, t in (
+        ("softmax_max", softmax_max), ("softmax_sum", softmax_sum),
+        ("attention_in", attention_in))]
+    results = _pipeline.call(
+        FUSION_ATTENTION_GRAD, _FUSION_RULES[op],
+        (*arrays, head_num, input_layout, None, None,
+         _mask_numpy(op, "atten_mask", atten_mask), *saved, scale_value, keep_prob,
+         pre_tockens, next_tockens, inner_precise, None, actual_seq_qlen, actual_seq_kvlen,
+         sparse_mode, "", None, None, None), threads=torch.get_num_threads())
+    return tuple(_as_tensor(a) for a in results[:3])
+
+
+@_fusion_attention_grad.register_fake
+def _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, atten_mask,
+                                softmax_max, softmax_sum, attention_in, scale_value,
+                                keep_prob, pre_tockens, next_tockens, inner_precise,
+                                actual_seq_qlen, actual_seq_kvlen, sparse_mode):
+    n = _fusion_dims(query)
+    _check_meta(_FUSION_GRAD, ("query", query, n), ("key", key, n), ("value", value, n),
+                ("dy", dy, n))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (query, key, value))
+
+
+def _fusion_setup(ctx, inputs, output):
+    query, key, value, head_num, layout, atten_mask, scale, *options = inputs
+    out, smax, ssum = output
+    ctx.save_for_backward(query, key, value, atten_mask, out, smax, ssum)
+    ctx.options = (head_num, layout, scale, *options)
+    ctx.mark_non_differentiable(smax, ssum)
+
+
+def _fusion_backward(ctx, grad, _max_grad, _sum_grad):
+    query, key, value, atten_mask, out, smax, ssum = ctx.saved_tensors
+    if grad is None or not any(ctx.needs_input_grad[:3]):
+        return (None,) * 14
+    head_num, layout, scale, *options = ctx.options
+    dq, dk, dv = torch.ops.nsa_numba.fusion_attention_grad(
+        query, key, value, grad, head_num, layout, atten_mask, smax, ssum, out, scale,
+        *options)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None,
+            dv if need[2] else None) + (None,) * 11
+
+
+_fusion_attention.register_autograd(_fusion_backward, setup_context=_fusion_setup)
+
+
+def _fusion_arguments(op, tensors, head_num, input_layout, pse, padding_mask, atten_mask,
+                      scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+                      actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
+                      scale_name):
+    """The custom op's arguments after ``tensors``, checked as far as the types go (the
+    planner checks the rest), and NotImplementedError for what is not computed."""
+    _require_tensors(op, **tensors)
+    if atten_mask is not None:
+        _mask_numpy(op, "atten_mask", atten_mask)
+    for name, value in (("pse", pse), ("padding_mask", padding_mask), ("prefix", prefix)):
+        if value is not None:
+            raise NotImplementedError(f"{op}: {name} is not supported (it must be None)")
+    for name, value in ((scale_name, scale), ("keep_prob", keep_prob)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(op, f"{name} must be a real number, got {value!r} "
+                              f"({type(value).__name__})")
+    if 0 < keep_prob < 1:
+        raise NotImplementedError(f"{op}: keep_prob < 1 (dropout) is not supported, got "
+                                  f"{keep_prob}")
+    if softmax_layout not in ("", "TND"):
+        raise NotImplementedError(f"{op}: softmax_layout must be '' or 'TND' (both write the "
+                                  f"statistics token-major), got {softmax_layout!r}")
+    if not isinstance(input_layout, str):
+        raise invalid(op, f"input_layout must be a str, got {input_layout!r}")
+    ints = [_check_int(op, name, v) for name, v in (
+        ("pre_tockens", pre_tockens), ("next_tockens", next_tockens),
+        ("inner_precise", inner_precise))]
+    seqs = [_seq_list(op, name, v) for name, v in (("actual_seq_qlen", actual_seq_qlen),
+                                                    ("actual_seq_kvlen", actual_seq_kvlen))]
+    return (_check_int(op, "head_num", head_num), input_layout, atten_mask, float(scale),
+            float(keep_prob), *ints, *seqs, _check_int(op, "sparse_mode", sparse_mode))
+
+
+def _numels(query, key, head_num, layout, seq_q, seq_kv):
+    """``N1 * sum_b Sq_b * Skv_b``, what torch_npu returns as ``numels``."""
+    if layout.upper() == "TND":
+        total, pq, pk = 0, 0, 0
+        for eq, ek in zip(seq_q or [], seq_kv or []):
+            total, pq, pk = total + (eq - pq) * (ek - pk), eq, ek
+        return head_num * total
+    s = {"BSND": (0, 1, 1), "BNSD": (0, 2, 2), "BSH": (0, 1, 1), "SBH": (1, 0, 0)}.get(
+        layout.upper())
+    if s is None:
+        return 0
+    return query.shape[s[0]] * head_num * query.shape[s[1]] * key.shape[s[2]]
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,
+                         padding_mask=None, atten_mask=None, scale=1., keep_prob=1.,
+                         pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                         sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout=""):
+    """torch_npu.npu_fusion_attention on the CPU, sparse modes 0 to 4: ``(attention_out,
+    softmax_max, softmax_sum, softmax_out, seed, offset, numels)``, differentiable in
+    query, key and value through ``torch.ops.nsa_numba.fusion_attention_grad``. See
+    ``nsa_numba.fusion_attention`` for the semantics and the rules (the strict ones
+    here). ``atten_mask``: a bool or uint8 tensor (1 = masked); the lengths: prefix
+    sums (lists, tuples or 1-D integer tensors). ``softmax_out`` is empty, seed and
+    offset 0 (no dropout). Cast under autocast as ``npu_nsa_compress`` is."""
+    op = _FUSION
+    options = _fusion_arguments(op, dict(query=query, key=key, value=value), head_num,
+                                input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+                                pre_tockens, next_tockens, inner_precise, prefix,
+                                actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout,
+                                "scale")
+    query, key, value = _autocast(query, key, value)
+    out, smax, ssum = torch.ops.nsa_numba.fusion_attention(query, key, value, *options)
+    numels = _numels(query, key, options[0], input_layout, options[8], options[9])
+    return out, smax, ssum, query.new_empty(0), 0, 0, numels
+
+
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+                              padding_mask=None, atten_mask=None, softmax_max=None,
+                              softmax_sum=None, softmax_in=None, attention_in=None,
+                              scale_value=1., keep_prob=1., pre_tockens=2147483647,
+                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0,
+                              numels=0, prefix=None, actual_seq_qlen=None,
+                              actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False, softmax_layout=""):
+    """torch_npu.npu_fusion_attention_grad on the CPU: ``(dq, dk, dv, None)`` (no pse, so
+    no dpse), the same bits as autograd's gradients of ``npu_fusion_attention``.
+    ``softmax_in``, ``seed``, ``offset``, ``numels`` are not read."""
+    op = _FUSION_GRAD
+    tensors = dict(query=query, key=key, value=value, dy=dy, softmax_max=softmax_max,
+                   softmax_sum=softmax_sum, attention_in=attention_in)
+    options = _fusion_arguments(op, tensors, head_num, input_layout, pse, padding_mask,
+                                atten_mask, scale_value, keep_prob, pre_tockens, next_tockens,
+                                inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+                                sparse_mode, softmax_layout, "scale_value")
+    query, key, value, dy, attention_in = _autocast(query, key, value, dy, attention_in)
+    head_num, layout, mask, scale, *rest = options
+    return (*torch.ops.nsa_numba.fusion_attention_grad(
+        query, key, value, dy, head_num, layout, mask, softmax_max, softmax_sum, attention_in,
+        scale, *rest), None)

@@ -1,8 +1,7 @@
 """npu_nsa_compress_attention through PyTorch: the NumPy API's bits (forward and
-gradient), opcheck, float64 gradcheck through fully masked rows and holes in the mask,
-autocast, errors, and a model's training step: npu_nsa_compress ->
-npu_nsa_compress_attention -> npu_nsa_select_attention under torch.compile with
-lengths that change every step, the gradients reaching the compress weights."""
+gradient, the latter through the generic attention's gradient), opcheck, float64
+gradcheck through fully masked rows and holes in the mask, autocast and errors. A
+model's training step through it: tests/test_torch_fusion_attention.py."""
 
 import os
 
@@ -16,8 +15,7 @@ else:
 
 import nsa_numba  # noqa: E402
 from nsa_numba import NsaError  # noqa: E402
-from nsa_numba.torch import (npu_nsa_compress, npu_nsa_compress_attention,  # noqa: E402
-                             npu_nsa_select_attention)
+from nsa_numba.torch import npu_nsa_compress_attention  # noqa: E402
 
 L, STRIDE, L_SEL = 32, 16, 64
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -105,9 +103,10 @@ def test_opcheck_both_operators():
     args = (q, k, v, 0.2, 4, L, STRIDE, L_SEL, 2, forced, _mask(lengths), seq_q, cmp, sel)
     torch.library.opcheck(torch.ops.nsa_numba.nsa_compress_attention.default, args)
     out, _, smax, ssum = torch.ops.nsa_numba.nsa_compress_attention(*args)
-    grad_args = (torch.randn_like(out), q, k, v, out, smax, ssum, 0.2, 4, _mask(lengths),
-                 seq_q, cmp)
-    torch.library.opcheck(torch.ops.nsa_numba.nsa_compress_attention_grad.default, grad_args)
+    # its backward is the generic attention's gradient, TND, sparse mode 1
+    grad_args = (q, k, v, torch.randn_like(out), 4, "TND", _mask(lengths), smax, ssum, out,
+                 0.2, 1.0, 2147483647, 2147483647, 0, seq_q, cmp, 1)
+    torch.library.opcheck(torch.ops.nsa_numba.fusion_attention_grad.default, grad_args)
 
 
 @pytest.mark.parametrize("holes", [False, True], ids=["causal", "holes"])
@@ -155,74 +154,3 @@ def test_errors_name_the_torch_function():
     with pytest.raises(NsaError, match="must divide 128") as info:
         _call(q[:, :3], k[:, :1], v[:, :1], lengths)
     assert info.value.status == 561002 and "strict" not in str(info.value)
-
-
-class _Layer(torch.nn.Module):
-    """An NSA layer's first two branches as a model calls them: keys and values
-    compressed by learnt weights, compressed attention picking the blocks, selected
-    attention over them."""
-
-    def __init__(self, N1=4, N2=1, D=192, Dv=128, count=2):
-        super().__init__()
-        g = torch.Generator().manual_seed(8)
-        self.wk = torch.nn.Parameter(torch.rand(L, N2, generator=g) / L)
-        self.wv = torch.nn.Parameter(torch.rand(L, N2, generator=g) / L)
-        self.N1, self.count = N1, count
-
-    def forward(self, q, k, v, lengths):
-        ends = _ends(lengths)
-        kc = npu_nsa_compress(k, self.wk, L, STRIDE, actual_seq_len=ends)
-        vc = npu_nsa_compress(v, self.wv, L, STRIDE, actual_seq_len=ends)
-        cmp = _ends([(n - L) // STRIDE + 1 for n in lengths])
-        sel = _ends([((n - L) // STRIDE + 1 + L_SEL // STRIDE - 1) // (L_SEL // STRIDE)
-                     for n in lengths])
-        mask = _mask_for(lengths)
-        scale = q.shape[2] ** -0.5
-        o_cmp, topk, _, _ = npu_nsa_compress_attention(
-            q, kc, vc, scale, self.N1, L, STRIDE, L_SEL, self.count, atten_mask=mask,
-            actual_seq_qlen=ends, actual_cmp_seq_kvlen=cmp, actual_sel_seq_kvlen=sel)
-        o_sel, _, _ = npu_nsa_select_attention(
-            q, k, v, topk, scale, self.N1, L_SEL, self.count, atten_mask=mask,
-            actual_seq_qlen=ends, actual_seq_kvlen=ends)
-        return (o_cmp + o_sel).square().mean()
-
-
-def _ends(lengths):
-    out, total = [], 0
-    for n in lengths:
-        total = total + n
-        out.append(total)
-    return out
-
-
-def _mask_for(lengths):
-    most = max(lengths)
-    s = torch.arange(most)[:, None]
-    k = torch.arange((most - L) // STRIDE + 1)[None, :]
-    return k * STRIDE + L - 1 > s
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_compiled_training_steps_reach_the_compress_weights():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    layer = _Layer()
-    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
-    for step, lengths in enumerate(([256, 192], [128, 320], [192, 192], [320, 128])):
-        g = torch.Generator().manual_seed(20 + step)
-        T = sum(lengths)
-        q = torch.randn(T, 4, 192, generator=g).requires_grad_()
-        k = torch.randn(T, 1, 192, generator=g).requires_grad_()
-        v = torch.randn(T, 1, 128, generator=g).requires_grad_()
-        leaves = [q, k, v, layer.wk, layer.wv]
-        want = torch.autograd.grad(layer(q, k, v, lengths), leaves)
-        got = torch.autograd.grad(compiled(q, k, v, lengths), leaves)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        assert want[3].abs().sum() > 0 and want[4].abs().sum() > 0     # weights learn
-        assert all(torch.isfinite(t).all() for t in want)
-    assert len(graphs) <= 2, len(graphs)
