@@ -958,14 +958,18 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
 # CHUNK; a unit computes only the chunks that meet its row's range, which leaves every
 # sum as it was (a key outside the range has P = 0 exactly).
 #
-# A unit is a query token and ``Gu`` heads ``h0 = u * Gu ..`` of KV head ``j = h0 //
-# G``: the whole group (``Gu = G``), or one head when the mask has one per head.
+# A unit is a block of consecutive query tokens of one sequence (``unit_tokens``) and
+# ``Gu`` heads ``h0 = u * Gu ..`` of KV head ``j = h0 // G``: the whole group (``Gu =
+# G``), or one head when the mask has one per head. Its rows (tokens times heads)
+# share each key chunk it loads; the owners of dk and dv batch rows the same way.
 
 #: keys per staged chunk
 CHUNK = 64
-#: (query token, unit) pairs a parallel iteration runs in a row (one thread-id
-#: lookup and one scratch row for all of them)
+#: units a parallel iteration runs in a row (one thread-id lookup and one scratch
+#: row for all of them)
 UNIT_RUN = 8
+#: query rows (tokens times heads) a dense forward or dq unit computes together
+UNIT_ROWS = 16
 #: a bound no position reaches: a sequence's geometry without a band
 UNBOUNDED = 1 << 40
 #: ``ranges[t, r, 2]``: the row sees keys; the mask hides every key; no key
@@ -1032,15 +1036,6 @@ def _unit_heads(u, Gu, G, ranges):
 
 
 @jit
-def _span(ranges, t, r, nk):
-    """The keys a row's unit computes: ``[first, end)``, its range widened to
-    multiples of 16 (at most ``nk``); exactly its range when it does not see keys."""
-    if ranges[t, r, 2] != SEES:
-        return ranges[t, r, 0], ranges[t, r, 1]
-    return ranges[t, r, 0] & ~15, min((ranges[t, r, 1] + 15) & ~15, nk)
-
-
-@jit
 def _lanes_of(c, first, end):
     """Lanes ``[e0, e1)`` of chunk ``c`` that hold keys ``[first, end)``, widened to
     multiples of 16."""
@@ -1057,104 +1052,143 @@ def _chunk_rows(rows, base, n, first, N2, j, width):
 
 
 @jit
-def _attend(t, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo, mstep,
-            out, smax, ssum, f, rows, G, Gu, lds, scale):
-    """Unit ``u`` of query token ``t``: the scores over the keys in its range (masked as
-    ``dense_ranges`` reads the mask), the softmax statistics, the values' weighted sum
-    divided by the row sum, rounded once into ``out``. Leaves ``exp(score - max)`` in
-    the scratch's score rows and returns the keys they cover, ``(first, span)``."""
+def unit_tokens(Gu):
+    """Consecutive tokens a dense unit takes: enough that its rows (tokens times its
+    ``Gu`` heads) reach UNIT_ROWS, so each key chunk it loads serves that many rows."""
+    return max(1, UNIT_ROWS // Gu)
+
+
+@jit
+def _unit_span(ranges, t0, nt, r, nk, sees_only):
+    """The keys a unit computes: the union of its tokens' ranges (those that see keys
+    with ``sees_only``, else every one with keys) widened to multiples of 16, at most
+    ``nk``; ``(0, 0)`` for none."""
+    first, end = nk, 0
+    for m in range(nt):
+        state = ranges[t0 + m, r, 2]
+        if state == SEES or (state == ALL_MASKED and not sees_only):
+            first = min(first, ranges[t0 + m, r, 0])
+            end = max(end, ranges[t0 + m, r, 1])
+    if first >= end:
+        return 0, 0
+    return first & ~15, min((end + 15) & ~15, nk)
+
+
+@jit
+def _attend(t0, nt, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo,
+            mstep, out, smax, ssum, f, rows, G, Gu, lds, scale):
+    """Unit ``u`` of the ``nt`` tokens from ``t0`` (one sequence): row ``m * Gu + g`` is
+    token ``t0 + m``, head ``h0 + g``. The scores over the union of the rows' ranges
+    (each row masked to its own range and mask row), the softmax statistics, the
+    values' weighted sum divided by the row sum, rounded once into ``out``. Leaves
+    the rows' weights in the scratch's score rows (``exp(score - max)``; 1 over the
+    band for a row whose keys are all masked; 0 for a row without keys) and returns
+    the keys they cover, ``(first, span)``."""
     N2 = q.shape[-2] // G
     D, Dv = q.shape[-1], out.shape[-1]
-    G4 = (Gu + 3) & ~3
+    R = nt * Gu
+    R4 = (R + 3) & ~3
     h0, j, r = _unit_heads(u, Gu, G, ranges)
-    b, pos = _sequence(q_starts, t)
+    b, pos0 = _sequence(q_starts, t0)
     nk = kv_starts[b + 1] - kv_starts[b]
-    qs = f[:G4 * D]
-    s = f[G4 * D:G4 * (D + lds)]
-    o = f[G4 * (D + lds):G4 * (D + lds + Dv)]
-    first, end = _span(ranges, t, r, nk)
+    qs = f[:R4 * D]
+    s = f[R4 * D:R4 * (D + lds)]
+    o = f[R4 * (D + lds):R4 * (D + lds + Dv)]
+    first, end = _unit_span(ranges, t0, nt, r, nk, False)
     span = end - first
-    state = ranges[t, r, 2]
-    if state == NO_KEYS:
-        for g in range(Gu):
-            _zero_row(out, t, h0 + g)
-            _set_stats(smax, ssum, t, h0 + g, MASKED, NO_KEYS_SUM)
-        return first, 0
-    if state == ALL_MASKED:
-        for g in range(Gu):
-            for i in range(span):
-                s[g * lds + i] = MASKED
-    else:
-        _widen_heads(q, t, h0, Gu, G4, D, qs)
+    if _unit_span(ranges, t0, nt, r, nk, True)[1] > 0:      # a row sees keys: scores
+        for m in range(nt):
+            for g in range(Gu):
+                _widen_row(q, t0 + m, h0 + g, qs, (m * Gu + g) * D)
+        qs[R * D:R4 * D] = 0
         for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
             w = (chunk_starts[b] + c) * N2 + j
             e0, e1 = _lanes_of(c, first, end)
             _block_scores(qs, D, kt, w * D * CHUNK, CHUNK, e0, e1, rows, s,
-                          c * CHUNK - first, lds, G4)
-        row = geo[b, 2] + h0 * mstep + pos
+                          c * CHUNK - first, lds, R4)
+    for m in range(nt):
+        t = t0 + m
+        lo, hi, state = ranges[t, r, 0], ranges[t, r, 1], ranges[t, r, 2]
+        row = geo[b, 2] + h0 * mstep + pos0 + m
         for g in range(Gu):
-            _scale_mask(s, g * lds, span, scale, span)
-            _mask_keys(s, g * lds, span, mask, row, geo[b, 3], first, ranges[t, r, 0],
-                       ranges[t, r, 1], ranges[t, r, 3])
-    for g in range(Gu):
-        top, total = _row_softmax(s, g * lds, span)
-        _set_stats(smax, ssum, t, h0 + g, top, total)
-    _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
-    for g in range(0, G4, 4):
-        _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
-    for g in range(Gu):
-        _divide(o, g * Dv, Dv, _stat(ssum, t, h0 + g))
-        _narrow_row(o, g * Dv, out, t, h0 + g)
+            at = (m * Gu + g) * lds
+            if state == SEES:
+                _scale_mask(s, at, span, scale, span)
+                _mask_keys(s, at, span, mask, row, geo[b, 3], first, lo, hi, ranges[t, r, 3])
+                top, total = _row_softmax(s, at, span)
+            else:           # equal weights over the band's keys, or none
+                for i in range(span):
+                    s[at + i] = 1 if state == ALL_MASKED and lo <= first + i < hi else 0
+                top = s.dtype.type(MASKED)
+                total = s.dtype.type(hi - lo if state == ALL_MASKED else NO_KEYS_SUM)
+            _set_stats(smax, ssum, t, h0 + g, top, total)
+    if span:
+        _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
+        for g in range(0, R4, 4):
+            _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    for m in range(nt):
+        for g in range(Gu):
+            t, h = t0 + m, h0 + g
+            if ranges[t, r, 2] == NO_KEYS:
+                _zero_row(out, t, h)
+            else:
+                _divide(o, (m * Gu + g) * Dv, Dv, _stat(ssum, t, h))
+                _narrow_row(o, (m * Gu + g) * Dv, out, t, h)
     return first, span
 
 
 @jit_parallel
-def dense_forward(q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo, mstep,
-                  out, smax, ssum, scratch, index, G, Gu, lds, scale):
-    """Dense attention's forward, one unit per query token and ``Gu`` heads."""
-    T1 = ranges.shape[0]
-    units = T1 * (q.shape[-2] // Gu)
+def dense_forward(q, q_starts, kv_starts, chunk_starts, blocks, ranges, kt, vrow, mask, geo,
+                  mstep, out, smax, ssum, scratch, index, G, Gu, lds, scale):
+    """Dense attention's forward, one unit per block of tokens (``blocks[i]``: its
+    first token and count) and ``Gu`` heads."""
+    nb = blocks.shape[0]
+    units = nb * (q.shape[-2] // Gu)
     for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
-            u, t = unit // T1, unit % T1          # unit by unit: its keys stay in cache
-            _attend(t, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, mask, geo,
-                    mstep, out, smax, ssum, f, rows, G, Gu, lds, scale)
+            u, i = unit // nb, unit % nb          # head by head: its keys stay in cache
+            _attend(blocks[i, 0], blocks[i, 1], u, q, q_starts, kv_starts, chunk_starts,
+                    ranges, kt, vrow, mask, geo, mstep, out, smax, ssum, f, rows, G, Gu, lds,
+                    scale)
 
 
 @jit
-def _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
+def _cmp_unit(t0, nt, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
               atten_mask, geo, topk_mask, out, topk, smax, ssum, f, rows, G, lds, scale, m,
               n):
-    """One query token and KV head of compressed attention: ``_attend`` over the
-    sequence's compressed keys, then the importance of each block of raw keys (the
-    group's weights summed head by head, then through the NPU's window of ``m + n -
-    1`` tokens), forced blocks first, then the largest, ties to the lower block."""
+    """The ``nt`` tokens from ``t0`` and KV head ``j`` of compressed attention:
+    ``_attend`` over the sequence's compressed keys, then per token the importance of
+    each block of raw keys (the group's weights summed head by head, then through
+    the NPU's window of ``m + n - 1`` tokens), forced blocks first, then the largest,
+    ties to the lower block."""
     count = topk.shape[2]
     D, Dv = q.shape[-1], out.shape[-1]
-    G4 = (G + 3) & ~3
-    b, pos = _sequence(q_starts, t)
+    R4 = (nt * G + 3) & ~3
+    b, pos0 = _sequence(q_starts, t0)
     nk = kv_starts[b + 1] - kv_starts[b]
     sel = sel_starts[b + 1] - sel_starts[b]
-    first, span = _attend(t, j, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow,
+    first, span = _attend(t0, nt, j, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow,
                           atten_mask, geo, 0, out, smax, ssum, f, rows, G, G, lds, scale)
-    s = f[G4 * D:G4 * (D + lds)]
-    at = G4 * (D + lds + Dv)
+    s = f[R4 * D:R4 * (D + lds)]
+    at = R4 * (D + lds + Dv)
     psum = f[at:at + lds]
     score = f[at + lds:at + 2 * lds]
     taken = rows[max(D, CHUNK):]
-    psum[:nk] = 0
-    for g in range(G):
-        _add_quotient(psum, first, s, g * lds, span, _stat(ssum, t, j * G + g))
-    _importance(psum, nk, first, first + span, m, n, score, sel)
-    if topk_mask.shape[0] > 0:
-        for c in range(sel):
-            if topk_mask[pos, c]:
-                score[c] = np.inf
-    _top(score, sel, count, taken)
-    for r in range(count):
-        topk[t, j, r] = taken[r]
+    for i in range(nt):
+        t = t0 + i
+        psum[:nk] = 0
+        for g in range(G):
+            _add_quotient(psum, first, s, (i * G + g) * lds, span, _stat(ssum, t, j * G + g))
+        _importance(psum, nk, first, first + span, m, n, score, sel)
+        if topk_mask.shape[0] > 0:
+            for c in range(sel):
+                if topk_mask[pos0 + i, c]:
+                    score[c] = np.inf
+        _top(score, sel, count, taken)
+        for k in range(count):
+            topk[t, j, k] = taken[k]
 
 
 @jit
@@ -1242,74 +1276,100 @@ def _add_quotient_typed(a, oa, b, ob, n, d):
 
 
 @jit_parallel
-def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt, vrow,
+def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, blocks, ranges, kt, vrow,
                 atten_mask, geo, topk_mask, out, topk, smax, ssum, scratch, index, G, lds,
                 scale, m, n):
-    """Compressed attention with top-k selection, one unit per query token and KV head."""
-    T1, N2 = topk.shape[0], topk.shape[1]
-    units = T1 * N2
+    """Compressed attention with top-k selection, one unit per block of tokens and KV
+    head."""
+    nb, N2 = blocks.shape[0], topk.shape[1]
+    units = nb * N2
     for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
-            j, t = unit // T1, unit % T1          # KV head by KV head: its keys stay in cache
-            _cmp_unit(t, j, q, q_starts, kv_starts, chunk_starts, sel_starts, ranges, kt,
-                      vrow, atten_mask, geo, topk_mask, out, topk, smax, ssum, f, rows, G,
-                      lds, scale, m, n)
+            j, i = unit // nb, unit % nb          # KV head by KV head: its keys stay in cache
+            _cmp_unit(blocks[i, 0], blocks[i, 1], j, q, q_starts, kv_starts, chunk_starts,
+                      sel_starts, ranges, kt, vrow, atten_mask, geo, topk_mask, out, topk,
+                      smax, ssum, f, rows, G, lds, scale, m, n)
 
 
 # -- dense attention backward -----------------------------------------------------------
 
 @jit
-def _dense_dq_unit(t, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
-                   ranges, kt, krow, vt, mask, geo, mstep, dq, f, rows, G, Gu, lds, scale):
+def _dense_dq_unit(t0, nt, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
+                   chunk_starts, ranges, kt, krow, vt, mask, geo, mstep, dq, f, rows, G, Gu,
+                   lds, scale):
+    """dq of ``_attend``'s unit: the scores and ``dP = dO V^T`` again over the union of
+    the ranges of its rows that see keys, ``dS`` with the saved statistics, ``dq =
+    scale dS K``; rows with equal weights or no keys get 0."""
     N2 = q.shape[-2] // G
     D, Dv = q.shape[-1], grad.shape[-1]
-    G4 = (Gu + 3) & ~3
+    R = nt * Gu
+    R4 = (R + 3) & ~3
     h0, j, r = _unit_heads(u, Gu, G, ranges)
-    qs, dos, s, dp, stats, rest = _grad_scratch(f, G4, D, Dv, lds)
-    acc = rest[:G4 * D]
-    if ranges[t, r, 2] != SEES:     # equal weights over masked keys, or none: no dq
-        for g in range(Gu):
-            _zero_row(dq, t, h0 + g)
-        return
-    b, pos = _sequence(q_starts, t)
+    qs, dos, s, dp, stats, rest = _grad_scratch(f, R4, D, Dv, lds)
+    acc = rest[:R4 * D]
+    for m in range(nt):
+        if ranges[t0 + m, r, 2] != SEES:
+            for g in range(Gu):
+                _zero_row(dq, t0 + m, h0 + g)
+    b, pos0 = _sequence(q_starts, t0)
     nk = kv_starts[b + 1] - kv_starts[b]
-    first, end = _span(ranges, t, r, nk)
+    first, end = _unit_span(ranges, t0, nt, r, nk, True)
     span = end - first
-    _row_terms(q, grad, out_fwd, smax, ssum, t, h0, Gu, G4, qs, dos, stats)
-    row = geo[b, 2] + h0 * mstep + pos
+    if span == 0:
+        return
+    for m in range(nt):
+        _row_terms(q, grad, out_fwd, smax, ssum, t0 + m, h0, Gu, Gu, qs[m * Gu * D:],
+                   dos[m * Gu * Dv:], stats[3 * m * Gu:])
+    qs[R * D:R4 * D] = 0
+    dos[R * Dv:R4 * Dv] = 0
     for c in range(first // CHUNK, (end + CHUNK - 1) // CHUNK):
         w = (chunk_starts[b] + c) * N2 + j
         e0, e1 = _lanes_of(c, first, end)
-        _block_ds(qs, dos, kt, vt, w * D * CHUNK, w * Dv * CHUNK, D, Dv, CHUNK, e0, e1, rows,
-                  s, dp, c * CHUNK - first, lds, Gu, G4, stats, scale,
-                  min(CHUNK, nk - c * CHUNK), CHUNK, mask, row, geo[b, 3], c * CHUNK,
-                  ranges[t, r, 0], ranges[t, r, 1], ranges[t, r, 3])
-    for g in range(Gu, G4):
-        for i in range(span):
-            dp[g * lds + i] = 0
+        _block_scores(qs, D, kt, w * D * CHUNK, CHUNK, e0, e1, rows, s, c * CHUNK - first,
+                      lds, R4)
+        _block_scores(dos, Dv, vt, w * Dv * CHUNK, CHUNK, e0, e1, rows, dp,
+                      c * CHUNK - first, lds, R4)
+    for m in range(nt):
+        t = t0 + m
+        lo, hi, state = ranges[t, r, 0], ranges[t, r, 1], ranges[t, r, 2]
+        row = geo[b, 2] + h0 * mstep + pos0 + m
+        for g in range(Gu):
+            i = m * Gu + g
+            at = i * lds
+            if state != SEES:
+                dp[at:at + span] = 0
+                continue
+            _scale_mask(s, at, span, scale, span)
+            _mask_keys(s, at, span, mask, row, geo[b, 3], first, lo, hi, ranges[t, r, 3])
+            _ds_row(s, dp, at, span, stats[3 * i], stats[3 * i + 1], stats[3 * i + 2], scale,
+                    span)
     _chunk_rows(rows, chunk_starts[b], span, first, N2, j, D)
-    for g in range(0, G4, 4):
+    for g in range(0, R4, 4):
         _mm(dp, g * lds, lds, 1, span, rows, krow, 0, D, acc, g * D, D, False)
-    for g in range(Gu):
-        _narrow_row(acc, g * D, dq, t, h0 + g)
+    for m in range(nt):
+        if ranges[t0 + m, r, 2] == SEES:
+            for g in range(Gu):
+                _narrow_row(acc, (m * Gu + g) * D, dq, t0 + m, h0 + g)
 
 
 @jit_parallel
-def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                  kt, krow, vt, mask, geo, mstep, dq, scratch, index, G, Gu, lds, scale):
-    """The query gradient of dense attention, one unit per token and ``Gu`` heads."""
-    T1 = ranges.shape[0]
-    units = T1 * (q.shape[-2] // Gu)
+def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, blocks,
+                  ranges, kt, krow, vt, mask, geo, mstep, dq, scratch, index, G, Gu, lds,
+                  scale):
+    """The query gradient of dense attention, one unit per block of tokens and ``Gu``
+    heads."""
+    nb = blocks.shape[0]
+    units = nb * (q.shape[-2] // Gu)
     for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
         slot = get_thread_id()
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
-            u, t = unit // T1, unit % T1          # unit by unit: its keys stay in cache
-            _dense_dq_unit(t, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
-                           chunk_starts, ranges, kt, krow, vt, mask, geo, mstep, dq, f, rows,
-                           G, Gu, lds, scale)
+            u, i = unit // nb, unit % nb          # head by head: its keys stay in cache
+            _dense_dq_unit(blocks[i, 0], blocks[i, 1], u, q, grad, out_fwd, smax, ssum,
+                           q_starts, kv_starts, chunk_starts, ranges, kt, krow, vt, mask, geo,
+                           mstep, dq, f, rows, G, Gu, lds, scale)
 
 
 @jit

@@ -75,9 +75,9 @@ class CompressAttentionPlan(DensePlan):
     def summary(self):
         return f"{super().summary()} count={self.count}"
 
-    def forward_step(self, w, useful, ranges):
+    def forward_step(self, w, useful, ranges, blocks):
         _launch(_attention.cmp_forward, useful, 4, self.rows("query"), self.q_starts,
-                self.kv_starts, self.chunk_starts, self.sel_starts, ranges, w["kt"],
+                self.kv_starts, self.chunk_starts, self.sel_starts, blocks, ranges, w["kt"],
                 w["vrow"], self.mask, self.geo, self.topk_mask, self.rows("attention_out"),
                 self.arrays["topk"], self.rows("softmax_max"), self.rows("softmax_sum"),
                 w["scratch"], w["index"], self.G, self.row,

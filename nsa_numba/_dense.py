@@ -84,6 +84,18 @@ def chunks(kv_starts):
                 chunk_len=length.astype(np.int64))
 
 
+def token_blocks(q_starts, tokens):
+    """``[n, 2]`` int64: the first token and the count of each block of at most
+    ``tokens`` consecutive query tokens, blocks within a sequence."""
+    lengths = np.diff(q_starts)
+    per = -(-lengths // tokens)
+    seq = np.repeat(np.arange(lengths.size), per)
+    within = np.arange(seq.size) - np.repeat(np.cumsum(per) - per, per)
+    firsts = q_starts[:-1][seq] + within * tokens
+    return np.stack([firsts, np.minimum(tokens, q_starts[1:][seq] - firsts)],
+                    axis=1).astype(np.int64)
+
+
 def unbounded(batches):
     """The geometry of sequences whose rows may see every key, without a mask offset."""
     U = _attention.UNBOUNDED
@@ -127,6 +139,16 @@ class DensePlan(Chunks, AttentionPlan):
     def units(self):
         return self.T1 * self.N2 * self.G // self.Gu
 
+    @property
+    def tokens(self):
+        """Consecutive tokens a forward or dq unit takes (``_attention.unit_tokens``)."""
+        return max(1, _attention.UNIT_ROWS // self.Gu)
+
+    @property
+    def rows4(self):
+        """A unit's rows, tokens times heads, rounded up to 4."""
+        return -(-self.tokens * self.Gu // 4) * 4
+
     def summary(self):
         return (f"{self.op} {self.input_layout} T1={self.T1} N1={self.N2 * self.G} "
                 f"N2={self.N2} D={self.D} Dv={self.Dv}")
@@ -141,31 +163,39 @@ class DensePlan(Chunks, AttentionPlan):
 
     def layout(self):
         """(name, elements, dtype) of each workspace region, in order."""
-        G4 = -(-self.Gu // 4) * 4
+        G4, U4 = -(-self.Gu // 4) * 4, self.rows4
         lds, D, Dv, C = self.row, self.D, self.Dv, _attention.CHUNK
         slots = scratch_slots()
         st = self.accumulator               # keys staged widened: the tile loads them as is
         staged = self.chunks * self.N2 * C
         ranges = ("ranges", self.T1 * self.mask_heads * 4, np.dtype(np.int64))
         if not self.grad:
-            floats = G4 * (D + lds + Dv) + 2 * lds
+            floats = U4 * (D + lds + Dv) + 2 * lds
             index = max(D, C) + lds
-            return [("kt", staged * D, st), ("vrow", staged * Dv, st), ranges,
+            return [("blocks", self.blocks_size, np.dtype(np.int64)),
+                    ("kt", staged * D, st), ("vrow", staged * Dv, st), ranges,
                     ("scratch", slots * _round16(floats), self.accumulator),
                     ("index", slots * _round16(index), np.dtype(np.int64))]
         R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
-        dq_floats = G4 * (D + Dv) + 2 * G4 * lds + 3 * G4 + G4 * D
+        dq_floats = U4 * (D + Dv) + 2 * U4 * lds + 3 * U4 + U4 * D
         owner_floats = R * (D + Dv) + 2 * R * (C + _attention.KEY_ALIGN) + 3 * R + C * (D + Dv)
         index = max(D, Dv, lds, R)
-        return [("kt", staged * D, st), ("krow", staged * D, st), ("vt", staged * Dv, st),
+        return [("blocks", self.blocks_size, np.dtype(np.int64)),
+                ("kt", staged * D, st), ("krow", staged * D, st), ("vt", staged * Dv, st),
                 ranges, ("work", self.chunks + 1, np.dtype(np.int64)),
                 ("scratch", slots * _round16(max(dq_floats, owner_floats)), self.accumulator),
                 ("index", slots * _round16(index), np.dtype(np.int64))]
 
-    def forward_step(self, w, useful, ranges):
+    @property
+    def blocks_size(self):
+        """Elements of the ``[n, 2]`` token blocks (``token_blocks``), at most."""
+        return 2 * (self.T1 // self.tokens + self.q_starts.size)
+
+    def forward_step(self, w, useful, ranges, blocks):
         """The forward's launch after staging and ranges."""
         _launch(_attention.dense_forward, useful, 4, self.rows("query"), self.q_starts,
-                self.kv_starts, self.chunk_starts, ranges, w["kt"], w["vrow"], self.mask,
+                self.kv_starts, self.chunk_starts, blocks, ranges, w["kt"], w["vrow"],
+                self.mask,
                 self.geo, self.mstep, self.rows("attention_out"), self.rows("softmax_max"),
                 self.rows("softmax_sum"), w["scratch"], w["index"], self.G, self.Gu,
                 self.row, self.accumulator.type(self.scale))
@@ -190,6 +220,9 @@ def dense_steps(plan, workspace=None, threads=None):
     staged = (w["kt"], w["krow"], empty, w["vt"]) if plan.grad else \
         (w["kt"], empty, w["vrow"], empty)
     ranges = w["ranges"].reshape(plan.T1, plan.mask_heads, 4)
+    made = token_blocks(plan.q_starts, plan.tokens)
+    blocks = w["blocks"][:made.size].reshape(-1, 2)
+    blocks[:] = made
     steps = [("stage", lambda: _launch(_attention.dense_stage, useful, 1, plan.rows("key"),
                                        plan.rows("value"), plan.chunk_row, plan.chunk_len,
                                        *staged)),
@@ -197,16 +230,16 @@ def dense_steps(plan, workspace=None, threads=None):
                                         plan.q_starts, plan.kv_starts, plan.geo, plan.mstep,
                                         plan.zero_rows, ranges))]
     if not plan.grad:
-        steps.append(("forward", lambda: plan.forward_step(w, useful, ranges)))
+        steps.append(("forward", lambda: plan.forward_step(w, useful, ranges, blocks)))
         return steps
     rows = plan.rows
     common = (rows("query"), rows("grad"), rows("attention_out"), rows("softmax_max"),
               rows("softmax_sum"), plan.q_starts, plan.kv_starts, plan.chunk_starts, ranges)
     if plan.units:
         steps.append(("dq", lambda: _launch(
-            _attention.dense_grad_dq, useful, 4, *common, w["kt"], w["krow"], w["vt"],
-            plan.mask, plan.geo, plan.mstep, rows("dq"), w["scratch"], w["index"], plan.G,
-            plan.Gu, plan.row, scale)))
+            _attention.dense_grad_dq, useful, 4, *common[:-1], blocks, ranges, w["kt"],
+            w["krow"], w["vt"], plan.mask, plan.geo, plan.mstep, rows("dq"), w["scratch"],
+            w["index"], plan.G, plan.Gu, plan.row, scale)))
     order = []
 
     def rank():

@@ -353,3 +353,53 @@ def test_compressed_attention_benchmarks_run_once(monkeypatch):
         assert result["forward_speedup"] > 0 and result["backward_speedup"] > 0
     table = attention.format_cmp([result])
     assert table.splitlines()[1].startswith("tiny") and "ws MiB" in table
+
+
+#: a fusion-attention case small enough for a test: (lengths, N1, N2, D, Dv, window)
+TINY_FUSION = ((200, 120), 8, 2, 64, 32, 48)
+
+
+def test_fusion_attention_benchmarks_run_once(monkeypatch):
+    from benchmarks import bench_attention
+    from nsa_numba.bench import attention, cases
+    monkeypatch.setitem(cases.FUSION_CASES, "tiny", TINY_FUSION)
+    bench = bench_attention.FusionAttention()
+    bench.setup("tiny", "bf16")
+    bench.time_forward("tiny", "bf16")
+    bench.time_backward("tiny", "bf16")
+    use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
+    if use_torch:
+        pytest.importorskip("torch")
+    result = attention.run_fusion_case("tiny", "bf16", 2, 100.0, use_torch, split=True)
+    assert list(result["steps"]) == [
+        "fusion_attention stage", "fusion_attention ranges", "fusion_attention forward",
+        "fusion_attention_grad stage", "fusion_attention_grad ranges",
+        "fusion_attention_grad dq", "fusion_attention_grad order",
+        "fusion_attention_grad dk dv"]
+    # the window of 48 keys: min(i + 1, 48) per query position, 8 heads
+    keys = 8 * sum(min(i + 1, 48) for n in (200, 120) for i in range(n))
+    assert cases.fusion_visible((200, 120), 48) * 8 == keys
+    assert cases.fusion_visible((5,), None) == 15
+    assert result["forward_gflops"] == pytest.approx(2 * keys * 96 / result["forward_s"] / 1e9)
+    assert result["backward_gflops"] == pytest.approx(2 * keys * (3 * 64 + 2 * 32)
+                                                      / result["backward_s"] / 1e9)
+    if use_torch:
+        assert result["forward_speedup"] > 0 and result["backward_speedup"] > 0
+    table = attention.format_fusion([result])
+    assert table.splitlines()[1].startswith("tiny") and "x torch f+b" in table
+
+
+def test_torch_window_baseline_computes_the_same_attention():
+    torch = pytest.importorskip("torch")
+    from nsa_numba import fusion_attention
+    from nsa_numba.bench import cases
+    import torch.nn.functional as F
+    q, k, v, kw = cases.fusion_problem((100, 60), 4, 2, 32, 16, 24, "float32")
+    ours = fusion_attention(q, k, v, 4, "TND", **kw)[0]
+    # the baseline's band over a chunk, as bench.attention.torch_window builds it
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    band = (j <= i) & (j > i - 24)
+    t = [torch.from_numpy(a[:100]).transpose(0, 1)[None] for a in (q, k, v)]
+    theirs = F.scaled_dot_product_attention(*t, attn_mask=band, scale=kw["scale"],
+                                            enable_gqa=True)[0].transpose(0, 1)
+    assert np.allclose(ours[:100], theirs.numpy(), atol=1e-5)

@@ -1,6 +1,6 @@
-"""asv benchmarks of selected and compressed attention, forward and gradient, on
-``python -m nsa_numba bench --select``'s and ``--compress-attention``'s cases (the
-paper's layer, a small group, a long sequence; causal).
+"""asv benchmarks of selected, compressed and fusion (window) attention, forward and
+gradient, on ``python -m nsa_numba bench --select``'s, ``--compress-attention``'s and
+``--fusion-attention``'s cases.
 
 ``time_`` methods time one call with its outputs given; ``track_`` figures (the % of
 the float32 matrix-multiply rate measured in the same run, and the speed-up over the
@@ -10,8 +10,9 @@ are what to track on a shared machine, whose absolute rates drift with its load.
 
 import numpy as np
 
-from nsa_numba import (nsa_compress_attention, nsa_compress_attention_grad,
-                       nsa_select_attention, nsa_select_attention_grad)
+from nsa_numba import (fusion_attention, fusion_attention_grad, nsa_compress_attention,
+                       nsa_compress_attention_grad, nsa_select_attention,
+                       nsa_select_attention_grad)
 from nsa_numba.bench import attention, cases
 
 PARAMS = [list(cases.SELECT_CASES), ["bf16", "fp16"]]
@@ -118,3 +119,42 @@ class CompressedAttentionRates(SelectedAttentionRates):
     """% of the float32 matrix-multiply rate and speed-up over PyTorch, per case."""
     params = CMP_PARAMS
     run = staticmethod(attention.run_cmp_case)
+
+
+FUSION_PARAMS = [list(cases.FUSION_CASES), ["bf16", "fp16"]]
+
+
+class FusionAttention:
+    """Fusion attention (``bench --fusion-attention``'s cases: the NSA window branch and
+    a causal case), and its gradient, outputs given."""
+    params = FUSION_PARAMS
+    param_names = PARAM_NAMES
+    timeout = 900
+
+    def setup(self, case, dtype):
+        lengths, N1, N2, D, Dv, window = cases.FUSION_CASES[case]
+        q, k, v, kw = cases.fusion_problem(lengths, N1, N2, D, Dv, window, dtype)
+        self.args = (q, k, v)
+        self.N1, self.kw = N1, kw
+        self.out = fusion_attention(q, k, v, N1, "TND", **kw)[:3]  # compiles outside timing
+        self.grad = np.ones_like(self.out[0])
+        self.given = [np.empty_like(a) for a in (q, k, v)]
+        self.gkw = dict(kw, scale_value=kw["scale"])
+        del self.gkw["scale"]
+        self.time_backward(case, dtype)
+
+    def time_forward(self, case, dtype):
+        fusion_attention(*self.args, self.N1, "TND", attention_out=self.out[0],
+                         softmax_max=self.out[1], softmax_sum=self.out[2], **self.kw)
+
+    def time_backward(self, case, dtype):
+        fusion_attention_grad(*self.args, self.grad, self.N1, "TND", softmax_max=self.out[1],
+                              softmax_sum=self.out[2], attention_in=self.out[0],
+                              dq=self.given[0], dk=self.given[1], dv=self.given[2], **self.gkw)
+
+
+class FusionAttentionRates(SelectedAttentionRates):
+    """% of the float32 matrix-multiply rate and speed-up over PyTorch's
+    scaled_dot_product_attention, per case."""
+    params = FUSION_PARAMS
+    run = staticmethod(attention.run_fusion_case)

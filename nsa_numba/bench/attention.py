@@ -1,11 +1,13 @@
-"""``bench --select`` and ``bench --compress-attention``: selected and compressed
-attention, forward and gradient, against the machine's float32 matrix-multiply rate
-measured in the same run and PyTorch implementations of the same semantics.
+"""``bench --select``, ``--compress-attention`` and ``--fusion-attention``: selected,
+compressed and fusion (window) attention, forward and gradient, against the
+machine's float32 matrix-multiply rate measured in the same run and PyTorch
+implementations of the same semantics.
 
 FLOPs count the keys a query actually attends to (selected attention:
 ``cases.visible_keys``, whole blocks before its own and its own block up to its
 position; compressed attention: ``cases.cmp_visible``, the compressed keys whose
-window has ended), times 2 per multiply-add: the forward's two products (scores over
+window has ended; fusion attention: ``cases.fusion_visible``, the keys in the
+window), times 2 per multiply-add: the forward's two products (scores over
 D, the values' weighted sum over Dv), ``2 (D + Dv)`` per visible key and query head;
 the gradient's five (scores again, dP, dq, dk, dv), ``2 (3 D + 2 Dv)``. Compressed
 attention's importance scores and top-k are work beyond that count."""
@@ -15,10 +17,12 @@ import time
 
 import numpy as np
 
-from .. import _compress_attention, _dense, _pipeline, _select, api
-from .._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, SELECT, SELECT_GRAD
-from .cases import (CMP_CASES, CMP_WINDOW, SELECT_CASES, cmp_lengths, cmp_problem,
-                    cmp_visible, select_problem, visible_keys)
+from .. import _compress_attention, _dense, _fusion, _pipeline, _select, api
+from .._operators import (COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, FUSION_ATTENTION,
+                          FUSION_ATTENTION_GRAD, SELECT, SELECT_GRAD)
+from .cases import (CMP_CASES, CMP_WINDOW, FUSION_CASES, SELECT_CASES, cmp_lengths,
+                    cmp_problem, cmp_visible, fusion_problem, fusion_visible, select_problem,
+                    visible_keys)
 from .harness import round_times
 
 #: the square product the matrix-multiply rate is taken from
@@ -47,6 +51,39 @@ def matmul_rate(threads, repeat=3):
         return None, None
     seconds, who = min(best)
     return 2 * n ** 3 / seconds / 1e9, who
+
+
+def _timed(result, forward, backward, flops, rate, repeat):
+    """Medians of ``repeat`` rounds of ``forward`` and ``backward`` into ``result``, with
+    their GFLOP/s (``flops``: the two calls' counts) and % of the matmul ``rate``."""
+    t_fwd, t_bwd = (float(np.median(t)) for t in round_times([forward, backward], repeat))
+    result.update(forward_s=t_fwd, backward_s=t_bwd, forward_gflops=flops[0] / t_fwd / 1e9,
+                  backward_gflops=flops[1] / t_bwd / 1e9)
+    if rate:
+        result["forward_pct"] = 100 * result["forward_gflops"] / rate
+        result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    return result
+
+
+def _split(result, plans, steps_of, work, repeat):
+    """``result["steps"]``: each launch of ``plans`` alone (``steps_of(plan)``), medians
+    of ``repeat`` rounds, with GFLOP/s for the launches ``work`` counts."""
+    steps = [(f"{p.op} {name}", fn) for p in plans for name, fn in steps_of(p)]
+    times = round_times([fn for _, fn in steps], repeat)
+    result["steps"] = {
+        name: dict(s=float(np.median(t)),
+                   **({"gflops": work[name] / float(np.median(t)) / 1e9} if name in work
+                      else {}))
+        for (name, _), t in zip(steps, times)}
+
+
+def _versus(result, ref_fwd, ref_both):
+    """The PyTorch implementation's times (forward, forward + backward) and the
+    speed-ups over it."""
+    result["torch_forward_s"] = ref_fwd
+    result["torch_backward_s"] = ref_both - ref_fwd
+    result["forward_speedup"] = ref_fwd / result["forward_s"]
+    result["backward_speedup"] = (ref_both - ref_fwd) / result["backward_s"]
 
 
 def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
@@ -116,37 +153,23 @@ def run_select_case(name, dtype, repeat, rate, use_torch, split=False):
         api.nsa_select_attention_grad(grad, q, k, v, *out, topk, scale, N1, block, count,
                                       dq=given[0], dk=given[1], dv=given[2], **kw)
 
-    t_fwd, t_bwd = (float(np.median(t)) for t in round_times([forward, backward], repeat))
     G = N1 // N2
     keys = visible_keys(topk, lengths, block)
     flops = (2 * keys * G * (D + Dv), 2 * keys * G * (3 * D + 2 * Dv))
-    result = dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D, Dv=Dv,
-                  block=block, count=count, forward_s=t_fwd, backward_s=t_bwd,
-                  forward_gflops=flops[0] / t_fwd / 1e9, backward_gflops=flops[1] / t_bwd / 1e9)
-    if rate:
-        result["forward_pct"] = 100 * result["forward_gflops"] / rate
-        result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    result = _timed(dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D,
+                         Dv=Dv, block=block, count=count), forward, backward, flops, rate,
+                    repeat)
     if split:
         args = (topk, scale, N1, block, count, kw["atten_mask"], ends, ends)
         plans = (_pipeline.plan(SELECT, _select.select_rules("bench"),
                                 (q, k, v, *args, *outs)),
                  _pipeline.plan(SELECT_GRAD, _select.select_rules("bench"),
                                 (grad, q, k, v, *out, *args, *given)))
-        steps = [(f"{p.op} {name}", fn) for p in plans for name, fn in _select.select_steps(p)]
-        times = round_times([fn for _, fn in steps], repeat)
-        work = {"select forward": flops[0], "select_grad dq": 2 * keys * G * (2 * D + Dv),
-                "select_grad dk dv": 2 * keys * G * (2 * D + 2 * Dv)}
-        result["steps"] = {
-            name: dict(s=float(np.median(t)),
-                       **({"gflops": work[name] / float(np.median(t)) / 1e9} if name in work
-                          else {}))
-            for (name, _), t in zip(steps, times)}
+        _split(result, plans, _select.select_steps,
+               {"select forward": flops[0], "select_grad dq": 2 * keys * G * (2 * D + Dv),
+                "select_grad dk dv": 2 * keys * G * (2 * D + 2 * Dv)}, repeat)
     if use_torch:
-        ref_fwd, ref_both = torch_select(q, k, v, topk, scale, block, np.asarray(ends))
-        result["torch_forward_s"] = ref_fwd
-        result["torch_backward_s"] = ref_both - ref_fwd
-        result["forward_speedup"] = ref_fwd / t_fwd
-        result["backward_speedup"] = (ref_both - ref_fwd) / t_bwd
+        _versus(result, *torch_select(q, k, v, topk, scale, block, np.asarray(ends)))
     return result
 
 
@@ -266,7 +289,6 @@ def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
                                         atten_mask=mask, dq=given[0], dk=given[1],
                                         dv=given[2], **seqs)
 
-    t_fwd, t_bwd = (float(np.median(t)) for t in round_times([forward, backward], repeat))
     keys = cmp_visible(lengths) * N1
     flops = (2 * keys * (D + Dv), 2 * keys * (3 * D + 2 * Dv))
     rules = _compress_attention.compress_attention_rules("bench")
@@ -275,34 +297,18 @@ def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
              _pipeline.plan(COMPRESS_ATTENTION_GRAD, rules, (
                  grad, q, k, v, out[0], out[2], out[3], scale, N1, mask, *seqs.values(),
                  *given)))
-    result = dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D, Dv=Dv,
-                  count=count, compressed=cmp_lengths(lengths)[0], forward_s=t_fwd,
-                  backward_s=t_bwd, forward_gflops=flops[0] / t_fwd / 1e9,
-                  backward_gflops=flops[1] / t_bwd / 1e9,
-                  forward_workspace=plans[0].workspace_bytes,
-                  backward_workspace=plans[1].workspace_bytes,
-                  weights_bytes=keys * 4)
-    if rate:
-        result["forward_pct"] = 100 * result["forward_gflops"] / rate
-        result["backward_pct"] = 100 * result["backward_gflops"] / rate
+    result = _timed(dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D,
+                         Dv=Dv, count=count, compressed=cmp_lengths(lengths)[0],
+                         forward_workspace=plans[0].workspace_bytes,
+                         backward_workspace=plans[1].workspace_bytes, weights_bytes=keys * 4),
+                    forward, backward, flops, rate, repeat)
     if split:
-        steps = [(f"{p.op} {name}", fn) for p in plans
-                 for name, fn in _dense.dense_steps(p)]
-        times = round_times([fn for _, fn in steps], repeat)
-        work = {"compress_attention forward": flops[0],
+        _split(result, plans, _dense.dense_steps,
+               {"compress_attention forward": flops[0],
                 "compress_attention_grad dq": 2 * keys * (2 * D + Dv),
-                "compress_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}
-        result["steps"] = {
-            name: dict(s=float(np.median(t)),
-                       **({"gflops": work[name] / float(np.median(t)) / 1e9} if name in work
-                          else {}))
-            for (name, _), t in zip(steps, times)}
+                "compress_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}, repeat)
     if use_torch:
-        ref_fwd, ref_both = torch_compress_attention(q, k, v, mask, lists, scale, count)
-        result["torch_forward_s"] = ref_fwd
-        result["torch_backward_s"] = ref_both - ref_fwd
-        result["forward_speedup"] = ref_fwd / t_fwd
-        result["backward_speedup"] = (ref_both - ref_fwd) / t_bwd
+        _versus(result, *torch_compress_attention(q, k, v, mask, lists, scale, count))
     return result
 
 
@@ -315,4 +321,130 @@ def format_cmp(results):
     for r, line in zip(results, table[1:]):
         ws = max(r["forward_workspace"], r["backward_workspace"]) / 2 ** 20
         lines.append(line + f"{ws:8.1f}{r['weights_bytes'] / 2 ** 20:12.0f}")
+    return "\n".join(lines)
+
+
+# -- fusion attention (the window branch) ---------------------------------------------------
+
+def torch_window(q, k, v, kw, window, chunk=512):
+    """(forward s, forward + backward s) of the same attention written with PyTorch's
+    ``scaled_dot_product_attention`` as a user would, in the input dtype: for a window
+    of w keys, chunks of ``chunk`` queries, each over the slab of keys its window
+    reaches (``chunk + w - 1``) with the band as a boolean mask; for the causal case
+    one call per sequence with ``is_causal``. Autograd through the whole output. Each
+    path runs once untimed, then the better of two timed calls counts."""
+    import torch
+    import torch.nn.functional as F
+    tq, tk, tv = (_torch_of(a) for a in (q, k, v))
+    scale = kw["scale"]
+    ends = kw["actual_seq_qlen"]
+    starts = [0] + ends[:-1]
+
+    def output(qq, kk, vv):
+        outs = []
+        for s0, s1 in zip(starts, ends):
+            a4 = lambda t, lo, hi: t[lo:hi].transpose(0, 1)[None]       # noqa: E731
+            if not window:
+                outs.append(F.scaled_dot_product_attention(
+                    a4(qq, s0, s1), a4(kk, s0, s1), a4(vv, s0, s1), is_causal=True,
+                    scale=scale, enable_gqa=True))
+                continue
+            for a in range(s0, s1, chunk):
+                b = min(s1, a + chunk)
+                lo = max(s0, a - window + 1)
+                i = torch.arange(a, b)[:, None]
+                j = torch.arange(lo, b)[None, :]
+                band = (j <= i) & (j > i - window)
+                outs.append(F.scaled_dot_product_attention(
+                    a4(qq, a, b), a4(kk, lo, b), a4(vv, lo, b), attn_mask=band, scale=scale,
+                    enable_gqa=True))
+        return torch.cat([o[0].transpose(0, 1) for o in outs])
+
+    def forward():
+        with torch.no_grad():
+            output(tq, tk, tv)
+
+    def both():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (tq, tk, tv))
+        out = output(qq, kk, vv)
+        out.backward(torch.ones_like(out))
+
+    forward()
+    both()
+    times = []
+    for fn in (forward, both):
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    return times[0], times[1]
+
+
+def _torch_of(a):
+    import torch
+    if a.dtype.kind == "V":                         # bfloat16
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def run_fusion_case(name, dtype, repeat, rate, use_torch, split=False):
+    """One ``FUSION_CASES`` case: medians of ``repeat`` rounds of the forward and the
+    gradient, outputs given; the workspace each announces; with ``split`` each launch
+    alone."""
+    lengths, N1, N2, D, Dv, window = FUSION_CASES[name]
+    q, k, v, kw = fusion_problem(lengths, N1, N2, D, Dv, window, dtype)
+    out = api.fusion_attention(q, k, v, N1, "TND", **kw)
+    grad = np.random.default_rng(1).standard_normal(out[0].shape).astype(q.dtype)
+    given = [np.empty_like(a) for a in (q, k, v)]
+    outs = [np.empty_like(a) for a in out[:3]]
+    gkw = dict(kw, scale_value=kw["scale"])
+    del gkw["scale"]
+
+    def forward():
+        api.fusion_attention(q, k, v, N1, "TND", attention_out=outs[0], softmax_max=outs[1],
+                             softmax_sum=outs[2], **kw)
+
+    def backward():
+        api.fusion_attention_grad(q, k, v, grad, N1, "TND", softmax_max=out[1],
+                                  softmax_sum=out[2], attention_in=out[0], dq=given[0],
+                                  dk=given[1], dv=given[2], **gkw)
+
+    keys = fusion_visible(lengths, window) * N1
+    flops = (2 * keys * (D + Dv), 2 * keys * (3 * D + 2 * Dv))
+    common = (None, None, kw["atten_mask"], kw["scale"], 1.0, kw.get("pre_tockens", 0),
+              kw.get("next_tockens", 0), 0, None, kw["actual_seq_qlen"],
+              kw["actual_seq_kvlen"], kw["sparse_mode"], "")
+    plans = (_pipeline.plan(FUSION_ATTENTION, _fusion.fusion_rules("bench"),
+                            (q, k, v, N1, "TND", *common, *outs)),
+             _pipeline.plan(FUSION_ATTENTION_GRAD, _fusion.fusion_rules("bench", grad=True),
+                            (q, k, v, grad, N1, "TND", *common[:3], out[1], out[2], out[0],
+                             *common[3:], *given)))
+    result = _timed(dict(case=name, dtype=dtype, lengths=list(lengths), N1=N1, N2=N2, D=D,
+                         Dv=Dv, window=window, forward_workspace=plans[0].workspace_bytes,
+                         backward_workspace=plans[1].workspace_bytes),
+                    forward, backward, flops, rate, repeat)
+    if split:
+        _split(result, plans, _dense.dense_steps,
+               {"fusion_attention forward": flops[0],
+                "fusion_attention_grad dq": 2 * keys * (2 * D + Dv),
+                "fusion_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}, repeat)
+    if use_torch:
+        _versus(result, *torch_window(q, k, v, kw, window))
+    return result
+
+
+def format_fusion(results):
+    """The ``--fusion-attention`` table: ``format_select``'s columns, forward + backward
+    against PyTorch, and each call's workspace."""
+    table = format_select(results).splitlines()
+    lines = [table[0] + f"{'x torch f+b':>12}{'ws MiB':>8}"]
+    for r, line in zip(results, table[1:]):
+        both = "-"
+        if "torch_forward_s" in r:
+            ours = r["forward_s"] + r["backward_s"]
+            both = f"{(r['torch_forward_s'] + r['torch_backward_s']) / ours:.1f}"
+        ws = max(r["forward_workspace"], r["backward_workspace"]) / 2 ** 20
+        lines.append(line + f"{both:>12}{ws:8.1f}")
     return "\n".join(lines)

@@ -243,3 +243,45 @@ def cmp_problem(lengths, N1, N2, D, Dv, dtype, seed=0):
                  actual_cmp_seq_kvlen=np.cumsum(cmp).tolist(),
                  actual_sel_seq_kvlen=np.cumsum(blocks).tolist())
     return q, k, v, cmp_mask(lengths), lists, D ** -0.5
+
+
+# -- fusion attention (the window branch) ---------------------------------------------------
+
+#: ``--fusion-attention`` cases: name -> (sequence lengths, N1, N2, D, Dv, window); a
+#: window of w keys is sparse mode 4 (pre_tockens w - 1, next_tockens 0), None the
+#: causal mask (mode 3), both with the 2048 x 2048 mask, layout TND
+FUSION_CASES = {
+    "window 2k": ((2048,), 16, 1, 192, 128, 512),
+    "window 2k GQA": ((2048,), 64, 4, 192, 128, 512),
+    "window 16k": ((16384,), 16, 1, 192, 128, 512),
+    "window 16k GQA": ((16384,), 64, 4, 192, 128, 512),
+    "causal 4k": ((4096, 4096), 16, 4, 128, 128, None),
+}
+
+
+def fusion_visible(lengths, window):
+    """(query, key) pairs a causal window of ``window`` keys (None: unbounded) leaves
+    visible, summed over sequences of ``lengths``: the FLOP count's total per head."""
+    total = 0
+    for n in lengths:
+        seen = np.arange(1, n + 1)
+        total += int(np.minimum(seen, window).sum() if window else seen.sum())
+    return total
+
+
+def fusion_problem(lengths, N1, N2, D, Dv, window, dtype, seed=0):
+    """(query, key, value, keyword arguments of ``fusion_attention``) of a case."""
+    if isinstance(dtype, str):
+        dtype = numpy_dtype(dtype) if dtype in DTYPES else np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    T = sum(lengths)
+    q, k, v = (rng.standard_normal((T, N, X), np.float32).astype(dtype)
+               for N, X in ((N1, D), (N2, D), (N2, Dv)))
+    ends = np.cumsum(lengths).tolist()
+    kw = dict(atten_mask=np.triu(np.ones((2048, 2048), bool), 1), scale=D ** -0.5,
+              actual_seq_qlen=ends, actual_seq_kvlen=ends)
+    if window:
+        kw.update(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)
+    else:
+        kw.update(sparse_mode=3)
+    return q, k, v, kw

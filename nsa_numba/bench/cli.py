@@ -7,8 +7,9 @@ from dataclasses import asdict
 import numba
 
 from .. import _pool
-from .cases import (CMP_CASES, DEFAULT_SHAPES, DTYPES, INFER_CASES, NON_CONTIGUOUS,
-                    OVERHEAD_SHAPE, SELECT_CASES, Case, numpy_dtype, parse_shape)
+from .cases import (CMP_CASES, DEFAULT_SHAPES, DTYPES, FUSION_CASES, INFER_CASES,
+                    NON_CONTIGUOUS, OVERHEAD_SHAPE, SELECT_CASES, Case, numpy_dtype,
+                    parse_shape)
 from .harness import CacheFlush, copy_task, read_task
 from .reports import (format_infer, format_input_reads, format_overhead, format_table,
                       markdown_table, plot_results)
@@ -44,10 +45,9 @@ def main(args):
             use_torch = False
     if args.infer:
         return main_infer(args, threads, use_torch)
-    if args.select:
-        return main_select(args, threads, use_torch)
-    if args.compress_attention:
-        return main_cmp(args, threads, use_torch)
+    for flag in ATTENTION_BENCHES:
+        if getattr(args, flag.replace("-", "_")):
+            return main_attention(args, threads, use_torch, flag)
     shapes = args.shape or DEFAULT_SHAPES
     views = ("contiguous",) + (NON_CONTIGUOUS if args.strided else ())
     cases = [Case(*shape, dtype=dt, view=view)
@@ -172,64 +172,58 @@ def main_infer(args, threads, use_torch):
     return 0
 
 
-def main_select(args, threads, use_torch):
-    from .attention import format_select, format_steps, matmul_rate, run_select_case
-    rate, who = matmul_rate(threads)
-    names = args.select_case or list(SELECT_CASES)
-    cases = [(name, dt) for name in names for dt in args.dtype]
+#: the attention benchmarks: flag -> (the option naming cases, the cases, the runner and
+#: table in .attention, the JSON key, the note under the table)
+ATTENTION_BENCHES = {
+    "select": ("select_case", SELECT_CASES, "run_select_case", "format_select", "select",
+               "(FLOPs: 2 per multiply-add over the keys each query sees; % mm: of the rate "
+               "above; x torch: the PyTorch implementation's time over this one's"),
+    "compress-attention": (
+        "compress_attention_case", CMP_CASES, "run_cmp_case", "format_cmp",
+        "compress_attention",
+        "(FLOPs: 2 per multiply-add over the compressed keys each query sees, the top-k's "
+        "work not counted; % mm: of the rate above; x torch: the PyTorch implementation's "
+        "time over this one's; ws: the larger call's workspace; weights: the [T, N1, Tc] "
+        "float32 matrix of the visible pairs, which no call holds"),
+    "fusion-attention": (
+        "fusion_attention_case", FUSION_CASES, "run_fusion_case", "format_fusion",
+        "fusion_attention",
+        "(FLOPs: 2 per multiply-add over the keys in each query's window; % mm: of the rate "
+        "above; x torch: PyTorch's scaled_dot_product_attention blocked for the band (its "
+        "time over this one's), f+b: forward and backward together; ws: the larger call's "
+        "workspace"),
+}
+
+
+def main_attention(args, threads, use_torch, flag):
+    """``bench --select``, ``--compress-attention`` or ``--fusion-attention``."""
+    from . import attention
+    option, known, runner, table, key, note = ATTENTION_BENCHES[flag]
+    run, fmt = getattr(attention, runner), getattr(attention, table)
+    rate, who = attention.matmul_rate(threads)
+    cases = [(name, dt) for name in getattr(args, option) or list(known) for dt in args.dtype]
     results = []
     for i, (name, dt) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
-        results.append(run_select_case(name, dt, args.repeat, rate, use_torch, args.split))
-    print(f"nsa_numba bench --select: {threads} thread(s); medians of {args.repeat} rounds; "
+        results.append(run(name, dt, args.repeat, rate, use_torch, args.split))
+    print(f"nsa_numba bench --{flag}: {threads} thread(s); medians of {args.repeat} rounds; "
           + (f"float32 matrix-multiply rate {rate:.0f} GFLOP/s ({who}, {threads} thread(s), "
              f"same run)" if rate else "no matrix-multiply rate (neither BLAS ran)"))
-    print(format_select(results))
-    print("(FLOPs: 2 per multiply-add over the keys each query sees; % mm: of the rate "
-          "above; x torch: the PyTorch implementation's time over this one's"
-          + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
+    print(fmt(results))
+    print(note + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
     if args.split:
-        print(format_steps(results, rate))
+        print(attention.format_steps(results, rate))
         print(SPLIT_NOTE)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
-                           matmul_by=who, select=results), f, indent=2)
+            json.dump({"threads": threads, "repeat": args.repeat, "matmul_gflops": rate,
+                       "matmul_by": who, key: results}, f, indent=2)
     return 0
 
 
 SPLIT_NOTE = ("(each launch alone, planned beforehand: the gradient's dq and dk dv passes "
               "both recompute the scores and dP, so their FLOPs add up to more than the "
               "call's)")
-
-
-def main_cmp(args, threads, use_torch):
-    from .attention import format_cmp, format_steps, matmul_rate, run_cmp_case
-    rate, who = matmul_rate(threads)
-    names = args.compress_attention_case or list(CMP_CASES)
-    cases = [(name, dt) for name in names for dt in args.dtype]
-    results = []
-    for i, (name, dt) in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] {name} {dt}", file=sys.stderr, flush=True)
-        results.append(run_cmp_case(name, dt, args.repeat, rate, use_torch, args.split))
-    print(f"nsa_numba bench --compress-attention: {threads} thread(s); medians of "
-          f"{args.repeat} rounds; "
-          + (f"float32 matrix-multiply rate {rate:.0f} GFLOP/s ({who}, {threads} thread(s), "
-             f"same run)" if rate else "no matrix-multiply rate (neither BLAS ran)"))
-    print(format_cmp(results))
-    print("(FLOPs: 2 per multiply-add over the compressed keys each query sees, the top-k's "
-          "work not counted; % mm: of the rate above; x torch: the PyTorch implementation's "
-          "time over this one's; ws: the larger call's workspace; weights: the [T, N1, Tc] "
-          "float32 matrix of the visible pairs, which no call holds"
-          + ("" if use_torch else "; PyTorch columns: not installed or --no-torch") + ")")
-    if args.split:
-        print(format_steps(results, rate))
-        print(SPLIT_NOTE)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(threads=threads, repeat=args.repeat, matmul_gflops=rate,
-                           matmul_by=who, compress_attention=results), f, indent=2)
-    return 0
 
 
 def add_arguments(parser):
@@ -283,6 +277,15 @@ def add_arguments(parser):
     parser.add_argument("--compress-attention-case", action="append",
                         choices=list(CMP_CASES),
                         help="with --compress-attention: only this case (repeatable)")
+    parser.add_argument("--fusion-attention", action="store_true",
+                        help="instead: fusion attention (npu_fusion_attention, the NSA "
+                             "window branch) and its gradient: a window of 512 keys over "
+                             "2k and 16k tokens (N1/N2 16/1 and 64/4) and a causal case, "
+                             "against the float32 matrix-multiply rate of the same run and "
+                             "PyTorch's scaled_dot_product_attention blocked for the band")
+    parser.add_argument("--fusion-attention-case", action="append",
+                        choices=list(FUSION_CASES),
+                        help="with --fusion-attention: only this case (repeatable)")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: the per-call time of the torch functions on a tiny "
                              "problem against the NumPy API and an empty custom op "
