@@ -733,19 +733,7 @@ def select_mutations(draw):
                 assume(other)
                 call[key] = call[other[0]].reshape(-1)[:good.size].reshape(good.shape)
     elif key in ("seq_q", "seq_kv"):
-        how = draw(st.sampled_from(["end", "decreasing", "length", "float"]))
-        note(f"{key}: {how}")
-        seq = list(good)
-        if how == "end":
-            seq[-1] += draw(st.sampled_from([-1, 1, 16]))
-        elif how == "decreasing":
-            assume(len(seq) > 1)
-            seq[0] = seq[-1] + 1
-        elif how == "length":
-            seq = seq + [seq[-1]]
-        else:
-            seq[0] = float(seq[0]) + 0.5
-        call[key] = seq
+        call[key] = _bad_lengths(draw, key, good)
     else:
         value = draw(st.sampled_from({
             "scale": ["1", None, [1.0], True],
@@ -880,51 +868,13 @@ def cmp_mutations(draw):
     key = draw(st.sampled_from(list(CMP_ARRAYS[op]) + scalars))
     good = call[key]
     if key in ("atten_mask", "topk_mask"):
-        how = draw(st.sampled_from(["dtype", "small", "ndim", "not-array"]))
-        note(f"{key}: {how}")
-        call[key] = {"dtype": lambda: good.astype(np.float32),
-                     "small": lambda: good[:-1, :-1],
-                     "ndim": lambda: good.reshape(-1),
-                     "not-array": lambda: good.tolist()}[how]()
+        call[key] = _bad_mask(draw, key, good)
     elif isinstance(good, np.ndarray):
-        output = key in CMP_OUTPUTS[op]
-        how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
-                                   + (["alias"] if output else ["none"])))
-        note(f"{key}: {how}")
-        if how == "none":
-            call[key] = None
-        elif how == "not-array":
-            call[key] = draw(NOT_ARRAYS)
-        elif how == "ndim":
-            call[key] = good.reshape(-1)
-        elif how == "dtype":
-            call[key] = good.astype(np.float64 if good.dtype.kind != "V" and
-                                    good.dtype.itemsize != 2 else _other_half(good.dtype))
-        elif how == "shape":
-            axis = draw(st.integers(0, 2))
-            assume(not (key in ("softmax_max", "softmax_sum") and axis == 2))
-            shape = list(good.shape)
-            shape[axis] = draw(st.integers(1, shape[axis] + 20).filter(
-                lambda n: n != good.shape[axis]))
-            call[key] = np.full(shape, 3, good.dtype)
-        else:                            # an output over an input's memory
-            source = call["query"]
-            assume(source.dtype == good.dtype and source.size >= good.size)
-            call[key] = source.reshape(-1)[:good.size].reshape(good.shape)
+        call[key] = _bad_attention_array(
+            draw, call, key, key in CMP_OUTPUTS[op],
+            lambda axis: not (key in ("softmax_max", "softmax_sum") and axis == 2))
     elif key.startswith("seq_"):
-        how = draw(st.sampled_from(["end", "decreasing", "length", "float"]))
-        note(f"{key}: {how}")
-        seq = list(good)
-        if how == "end":
-            seq[-1] += draw(st.sampled_from([-1, 1, 16]))
-        elif how == "decreasing":
-            assume(len(seq) > 1)
-            seq[0] = seq[-1] + 1
-        elif how == "length":
-            seq = seq + [seq[-1]]
-        else:
-            seq[0] = float(seq[0]) + 0.5
-        call[key] = seq
+        call[key] = _bad_lengths(draw, key, good)
     else:
         value = draw(st.sampled_from({
             "scale": ["1", None, [1.0], True],
@@ -936,6 +886,79 @@ def cmp_mutations(draw):
         note(f"{key}: {value!r}")
         call[key] = value
     return call
+
+
+def _bad_mask(draw, key, good):
+    """An attention mask made invalid: a float dtype, too small, 1-D, or a list."""
+    how = draw(st.sampled_from(["dtype", "small", "ndim", "not-array"]))
+    note(f"{key}: {how}")
+    return {"dtype": lambda: good.astype(np.float32),
+            "small": lambda: good[..., :-1, :-1],
+            "ndim": lambda: good.reshape(-1),
+            "not-array": lambda: good.tolist()}[how]()
+
+
+def _bad_attention_array(draw, call, key, output, axis_ok):
+    """``call[key]`` made invalid: not an array, flat, another dtype, another size along
+    an axis ``axis_ok`` allows, or (an output) over the query's memory, or (an input)
+    None."""
+    good = call[key]
+    how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
+                               + (["alias"] if output else ["none"])))
+    note(f"{key}: {how}")
+    if how == "none":
+        return None
+    if how == "not-array":
+        return draw(NOT_ARRAYS)
+    if how == "ndim":
+        return good.reshape(-1)
+    if how == "dtype":
+        return good.astype(np.float64 if good.dtype.kind != "V" and good.dtype.itemsize != 2
+                           else _other_half(good.dtype))
+    if how == "shape":
+        axis = draw(st.integers(0, good.ndim - 1))
+        assume(axis_ok(axis))
+        shape = list(good.shape)
+        shape[axis] = draw(st.integers(1, shape[axis] + 20).filter(
+            lambda n: n != good.shape[axis]))
+        return np.full(shape, 3, good.dtype)
+    source = call["query"]               # an output over an input's memory
+    assume(source.dtype == good.dtype and source.size >= good.size)
+    return source.reshape(-1)[:good.size].reshape(good.shape)
+
+
+def _bad_lengths(draw, key, good):
+    """Prefix sums made invalid: the wrong end, decreasing, one value more, a float."""
+    how = draw(st.sampled_from(["end", "decreasing", "length", "float"]))
+    note(f"{key}: {how}")
+    seq = list(good)
+    if how == "end":
+        seq[-1] += draw(st.sampled_from([-1, 1, 16]))
+    elif how == "decreasing":
+        assume(len(seq) > 1)
+        seq[0] = seq[-1] + 1
+    elif how == "length":
+        seq = seq + [seq[-1] + 1]
+    else:
+        seq[0] = float(seq[0]) + 0.5
+    return seq
+
+
+def _python_rejects(call, arrays, params, python, what):
+    """``python(call)`` raises NsaError with an attention status naming a parameter of
+    ``params`` and changes none of the call's ``arrays``; returns their snapshot."""
+    snapshot = {k: (call[k], call[k].copy()) for k in arrays[call["op"]]
+                if isinstance(call.get(k), np.ndarray) and call[k].dtype != object}
+    try:
+        python(call)
+    except NsaError as err:
+        assert err.status in SELECT_REJECTED, err.status
+        assert any(name in str(err) for name in params), str(err)
+        note(str(err))
+    else:
+        raise AssertionError(f"the Python API accepted an invalid {what} call")
+    _assert_unchanged(snapshot)
+    return snapshot
 
 
 def _cmp_python(call):
@@ -957,17 +980,8 @@ def _cmp_python(call):
 
 @given(cmp_mutations())
 def test_invalid_compressed_attention_is_rejected_by_both_apis(call):
-    snapshot = {k: (call[k], call[k].copy()) for k in CMP_ARRAYS[call["op"]]
-                if isinstance(call.get(k), np.ndarray) and call[k].dtype != object}
-    try:
-        _cmp_python(call)
-    except NsaError as err:
-        assert err.status in SELECT_REJECTED, err.status
-        assert any(name in str(err) for name in CMP_PY_PARAMS), str(err)
-        note(str(err))
-    else:
-        raise AssertionError("the Python API accepted an invalid compressed-attention call")
-    _assert_unchanged(snapshot)
+    snapshot = _python_rejects(call, CMP_ARRAYS, CMP_PY_PARAMS, _cmp_python,
+                               "compressed-attention")
     if call["op"] == "grad":             # no aclnn gradient operator
         return
     aclGetRecentErrMsg()
@@ -983,3 +997,124 @@ def test_invalid_compressed_attention_is_rejected_by_both_apis(call):
     assert status in SELECT_REJECTED, (status, message)
     assert any(name in message for name in CMP_C_PARAMS), message
     _assert_unchanged(snapshot)
+
+
+# -- fusion attention (the NumPy API; there is no aclnn mirror) ------------------------------
+
+FUSION_PY_PARAMS = ["query", "key", "value", "dy", "head_num", "input_layout", "atten_mask",
+                    "scale", "scale_value", "keep_prob", "pre_tockens", "next_tockens",
+                    "inner_precise", "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode",
+                    "attention_out", "attention_in", "softmax_max", "softmax_sum", "dq",
+                    "dk", "dv", "N1", "N2", "D", "Dv"]
+FUSION_ARRAYS = {"forward": ("query", "key", "value", "attention_out", "softmax_max",
+                             "softmax_sum"),
+                 "grad": ("query", "key", "value", "grad", "attention_out", "softmax_max",
+                          "softmax_sum", "dq", "dk", "dv")}
+FUSION_OUTPUTS = {"forward": ("attention_out", "softmax_max", "softmax_sum"),
+                  "grad": ("dq", "dk", "dv")}
+FUSION_LAYOUTS = ("TND", "BSND", "BNSD", "BSH", "SBH")
+
+
+def _fusion_shape(layout, B, S, N, X):
+    return {"TND": (B * S, N, X), "BSND": (B, S, N, X), "BNSD": (B, N, S, X),
+            "BSH": (B, S, N * X), "SBH": (S, B, N * X)}[layout]
+
+
+@st.composite
+def valid_fusion_calls(draw):
+    """A valid strict fusion-attention call (forward or gradient), outputs given: a
+    band (mode 4), a causal mask (mode 2) or an explicit mask (modes 0 and 1)."""
+    op = draw(st.sampled_from(["forward", "grad"]))
+    layout = draw(st.sampled_from(FUSION_LAYOUTS))
+    dtype = np.dtype(draw(st.sampled_from([np.float16, ml_dtypes.bfloat16, np.float32])))
+    N2, G = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+    N1, D, Dv = N2 * G, draw(st.sampled_from([16, 32])), 16
+    B, S = draw(st.integers(1, 2)), draw(st.integers(8, 40))
+    mode = draw(st.sampled_from([0, 1, 2, 4]))
+    rng = np.random.default_rng(draw(st.integers(0, 99)))
+    if mode >= 2:
+        mask = np.triu(np.ones((2048, 2048), np.bool_), 1)
+    else:
+        mask = np.triu(np.ones((S, S), np.bool_), 1)
+        if layout != "TND" and draw(st.booleans()):
+            mask = np.broadcast_to(mask, (B, N1, S, S)).copy()
+    stats = (B * S, N1, 8) if layout == "TND" else (B, N1, S, 8)
+    call = dict(op=op, layout=layout, query=rng.standard_normal(
+                    _fusion_shape(layout, B, S, N1, D)).astype(dtype),
+                key=rng.standard_normal(_fusion_shape(layout, B, S, N2, D)).astype(dtype),
+                value=rng.standard_normal(_fusion_shape(layout, B, S, N2, Dv)).astype(dtype),
+                head_num=N1, atten_mask=mask, scale=0.25, keep_prob=1.0, pre=S, nxt=0,
+                inner_precise=0, sparse_mode=mode,
+                seq_q=[S * (b + 1) for b in range(B)] if layout == "TND" else None,
+                seq_kv=[S * (b + 1) for b in range(B)] if layout == "TND" else None,
+                attention_out=np.full(_fusion_shape(layout, B, S, N1, Dv), 3, dtype),
+                softmax_max=np.full(stats, 3, np.float32),
+                softmax_sum=np.full(stats, 3, np.float32))
+    if op == "grad":
+        call.update(grad=np.ones_like(call["attention_out"]),
+                    dq=np.full(call["query"].shape, 3, dtype),
+                    dk=np.full(call["key"].shape, 3, dtype),
+                    dv=np.full(call["value"].shape, 3, dtype))
+    return call
+
+
+@st.composite
+def fusion_mutations(draw):
+    call = draw(valid_fusion_calls())
+    op, layout = call["op"], call["layout"]
+    scalars = ["scale", "head_num", "layout", "keep_prob", "sparse_mode", "inner_precise",
+               "seq_q", "seq_kv"]
+    key = draw(st.sampled_from(list(FUSION_ARRAYS[op]) + ["atten_mask"] + scalars))
+    good = call[key]
+    if key == "atten_mask":
+        call[key] = _bad_mask(draw, key, good)
+    elif isinstance(good, np.ndarray):
+        stat = key in ("softmax_max", "softmax_sum")
+        # the gradient reads one lane of the statistics; a key and value with more or
+        # fewer heads in BSH/SBH can still divide
+        call[key] = _bad_attention_array(
+            draw, call, key, key in FUSION_OUTPUTS[op],
+            lambda axis: not (stat and axis == good.ndim - 1 and op == "grad") and not (
+                layout in ("BSH", "SBH") and key in ("key", "value", "dk", "dv")
+                and axis == 2))
+    elif key.startswith("seq_"):                # padded layouts take none
+        call[key] = _bad_lengths(draw, key, good or [4])
+    else:
+        value = draw(st.sampled_from({
+            "scale": ["1", None, [1.0], True],
+            "head_num": [0, -1, 1.0, None] + ([] if layout in ("BSH", "SBH")
+                                              else [call["head_num"] + 1]),
+            "layout": ["", "TNDX", "NSD", "BSHD", 3, None],
+            "keep_prob": [0.0, -1.0, 1.5, "1", None],
+            "sparse_mode": [-1, 9, 2.0, None],
+            "inner_precise": [-1, 4, 1.0]}[key]))
+        note(f"{key}: {value!r}")
+        call[key] = value
+    return call
+
+
+def _fusion_python(call):
+    common = dict(atten_mask=call["atten_mask"], keep_prob=call["keep_prob"],
+                  pre_tockens=call["pre"], next_tockens=call["nxt"],
+                  inner_precise=call["inner_precise"], actual_seq_qlen=call["seq_q"],
+                  actual_seq_kvlen=call["seq_kv"], sparse_mode=call["sparse_mode"])
+    if call["op"] == "forward":
+        return nsa_numba.fusion_attention(
+            call["query"], call["key"], call["value"], call["head_num"], call["layout"],
+            scale=call["scale"], attention_out=call["attention_out"],
+            softmax_max=call["softmax_max"], softmax_sum=call["softmax_sum"], **common)
+    return nsa_numba.fusion_attention_grad(
+        call["query"], call["key"], call["value"], call["grad"], call["head_num"],
+        call["layout"], softmax_max=call["softmax_max"], softmax_sum=call["softmax_sum"],
+        attention_in=call["attention_out"], scale_value=call["scale"], dq=call["dq"],
+        dk=call["dk"], dv=call["dv"], **common)
+
+
+@given(fusion_mutations())
+def test_invalid_fusion_attention_is_rejected(call):
+    _python_rejects(call, FUSION_ARRAYS, FUSION_PY_PARAMS, _fusion_python, "fusion-attention")
+
+
+@given(valid_fusion_calls())
+def test_the_unmutated_fusion_calls_are_valid(call):
+    _fusion_python(call)                # the mutations start from calls that pass

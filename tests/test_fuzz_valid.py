@@ -383,3 +383,82 @@ def test_generated_compressed_attention_matches_reference(p):
     floors = gradient_floors(g, q, k, v, 0.3)
     for name, got, want, floor in zip(("dq", "dk", "dv"), grads, exact, floors):
         _close(got, want, TOLERANCE[dtype.name], name, floor)
+
+
+# -- fusion attention (forward and gradient) -------------------------------------------
+
+@st.composite
+def fusion_problems(draw):
+    layout = draw(st.sampled_from(["TND", "BSND", "BNSD", "BSH", "SBH"]))
+    mode = draw(st.integers(0, 4))
+    N2, G = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 3, 5, 16]))
+    if layout == "TND":
+        B = draw(st.integers(1, 3))
+        sq = [draw(st.integers(0, 40)) for _ in range(B)]
+        skv = [draw(st.integers(0, 40)) for _ in range(B)]
+        if not sum(sq) or not sum(skv):
+            sq[0], skv[0] = sq[0] or 1, skv[0] or 1
+    else:
+        B = draw(st.integers(1, 2))
+        sq, skv = [draw(st.integers(1, 40))] * B, [draw(st.integers(1, 40))] * B
+    if mode >= 2:
+        mask = "triu"
+    elif layout == "TND":
+        mask = draw(st.sampled_from(["none", "corner", "diagonal"]))
+    else:
+        mask = draw(st.sampled_from(["none", "2d", "11ss", "b1ss", "bnss"]))
+    return dict(layout=layout, mode=mode, N2=N2, G=G, B=B, sq=sq, skv=skv, mask=mask,
+                D=draw(st.integers(1, 40)), Dv=draw(st.integers(1, 40)),
+                dtype=np.dtype(draw(st.sampled_from(DTYPES))),
+                pre=draw(st.integers(-5, 50)), nxt=draw(st.integers(-5, 50)),
+                inner_precise=draw(st.sampled_from([0, 2])),
+                density=draw(st.sampled_from([0.1, 0.5, 0.95])),
+                seed=draw(st.integers(0, 2 ** 32 - 1)))
+
+
+def _fusion_arrays(p, rng):
+    from test_fusion_attention import layout_shape
+    N1 = p["N2"] * p["G"]
+    if p["layout"] == "TND":
+        shapes = [(sum(p["sq"]), N1, p["D"]), (sum(p["skv"]), p["N2"], p["D"]),
+                  (sum(p["skv"]), p["N2"], p["Dv"])]
+    else:
+        shapes = [layout_shape(p["layout"], p["B"], S, N, X) for S, N, X in (
+            (p["sq"][0], N1, p["D"]), (p["skv"][0], p["N2"], p["D"]),
+            (p["skv"][0], p["N2"], p["Dv"]))]
+    q, k, v = (rng.standard_normal(s).astype(p["dtype"]) for s in shapes)
+    Sq, Skv, dens = max(p["sq"]), max(p["skv"]), p["density"]
+    mask = {"none": lambda: None,
+            "triu": lambda: np.triu(np.ones((2048, 2048), bool), 1),
+            "corner": lambda: rng.random((Sq, Skv)) < dens,
+            "diagonal": lambda: rng.random((sum(p["sq"]), sum(p["skv"]))) < dens,
+            "2d": lambda: rng.random((Sq, Skv)) < dens,
+            "11ss": lambda: rng.random((1, 1, Sq, Skv)) < dens,
+            "b1ss": lambda: rng.random((p["B"], 1, Sq, Skv)) < dens,
+            "bnss": lambda: rng.random((p["B"], N1, Sq, Skv)) < dens}[p["mask"]]()
+    kw = dict(atten_mask=mask, scale=0.3, pre_tockens=p["pre"], next_tockens=p["nxt"],
+              inner_precise=p["inner_precise"], sparse_mode=p["mode"])
+    if p["layout"] == "TND":
+        kw.update(actual_seq_qlen=np.cumsum(p["sq"]).tolist(),
+                  actual_seq_kvlen=np.cumsum(p["skv"]).tolist())
+    return q, k, v, N1, kw
+
+
+@given(fusion_problems())
+def test_generated_fusion_attention_matches_reference(p):
+    check_fusion(p)
+
+
+@pytest.mark.extended
+@settings(max_examples=EXTENDED_EXAMPLES)
+@given(fusion_problems())
+def test_more_generated_fusion_attention_matches_reference(p):
+    check_fusion(p)
+
+
+def check_fusion(p):
+    """Forward and gradient against the float64 reference (test_fusion_attention.run)."""
+    from test_fusion_attention import run
+    note(f"problem: {p}")
+    q, k, v, N1, kw = _fusion_arrays(p, np.random.default_rng(p["seed"]))
+    run(q, k, v, p["layout"], N1, **kw)

@@ -29,19 +29,34 @@ def test_peak_memory_is_the_workspace_plus_a_few_mib():
         assert extra <= workspace + 4 * MiB, (op, extra / MiB, workspace / MiB)
 
 
-CMP_MEMORY = r"""
+#: the child's setup: a problem's ``fwd`` and ``bwd`` calls and ``spaces``, each call's
+#: workspace; MEASURE then reports what each adds to the peak RSS
+PRELUDE = r"""
 import json
 import numpy as np
 import nsa_numba
 from nsa_numba import _pipeline
-from nsa_numba._compress_attention import compress_attention_rules
-from nsa_numba._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD
-
+"""
+MEASURE = r"""
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 
+fwd(), bwd()                                   # kernels loaded
+result = {}
+for op, call in (("forward", fwd), ("backward", bwd)):
+    rss = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    call()
+    result[op] = dict(added=status("VmHWM") - rss, workspace=spaces[op])
+print(json.dumps(result))
+"""
+
+CMP_MEMORY = r"""
+from nsa_numba._compress_attention import compress_attention_rules
+from nsa_numba._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD
 # two sequences of 4096 tokens, 32 query heads over 2 KV heads, the paper's head dims
 rng = np.random.default_rng(0)
 lengths, N1, N2 = [4096, 4096], 32, 2
@@ -70,15 +85,6 @@ spaces = {
     "backward": _pipeline.plan(COMPRESS_ATTENTION_GRAD, rules, (
         g, q, k, v, out, smax, ssum, 0.07, N1, mask, seqs["actual_seq_qlen"],
         seqs["actual_cmp_seq_kvlen"], dq, dk, dv)).workspace_bytes}
-fwd(), bwd()                                   # kernels loaded
-result = {}
-for op, call in (("forward", fwd), ("backward", bwd)):
-    rss = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    call()
-    result[op] = dict(added=status("VmHWM") - rss, workspace=spaces[op])
-print(json.dumps(result))
 """
 
 
@@ -87,12 +93,58 @@ print(json.dumps(result))
 def test_compressed_attention_holds_no_weights_matrix():
     # the [T, N1, Tc] float32 weights of this problem would be 8192 * 32 * 255 * 4 bytes
     # (255 MiB); a call adds its workspace and a few MiB, forward and gradient alike
-    child = subprocess.run([sys.executable, "-c", CMP_MEMORY], capture_output=True,
-                           text=True, timeout=900, check=True)
+    _added_at_most_the_workspace(CMP_MEMORY, 16 * MiB)
+
+
+WINDOW_MEMORY = r"""
+from nsa_numba._fusion import fusion_rules
+from nsa_numba._operators import FUSION_ATTENTION, FUSION_ATTENTION_GRAD
+# the window branch: 8192 tokens, 32 query heads over 2 KV heads, a window of 512 keys
+rng = np.random.default_rng(0)
+T, N1, N2 = 8192, 32, 2
+q = rng.standard_normal((T, N1, 192)).astype(np.float16)
+k = rng.standard_normal((T, N2, 192)).astype(np.float16)
+v = rng.standard_normal((T, N2, 128)).astype(np.float16)
+triu = np.triu(np.ones((2048, 2048), bool), 1)
+kw = dict(atten_mask=triu, sparse_mode=4, pre_tockens=511, next_tockens=0,
+          actual_seq_qlen=[T], actual_seq_kvlen=[T])
+out = np.empty((T, N1, 128), np.float16)
+smax, ssum = (np.empty((T, N1, 8), np.float32) for _ in range(2))
+g = np.ones_like(out)
+dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+fwd = lambda: nsa_numba.fusion_attention(q, k, v, N1, "TND", scale=0.07, attention_out=out,
+                                         softmax_max=smax, softmax_sum=ssum, **kw)
+bwd = lambda: nsa_numba.fusion_attention_grad(q, k, v, g, N1, "TND", softmax_max=smax,
+                                              softmax_sum=ssum, attention_in=out,
+                                              scale_value=0.07, dq=dq, dk=dk, dv=dv, **kw)
+common = (None, None, triu, 0.07, 1.0, 511, 0, 0, None, [T], [T], 4, "")
+spaces = {
+    "forward": _pipeline.plan(FUSION_ATTENTION, fusion_rules("x"), (
+        q, k, v, N1, "TND", *common, out, smax, ssum)).workspace_bytes,
+    "backward": _pipeline.plan(FUSION_ATTENTION_GRAD, fusion_rules("x", grad=True), (
+        q, k, v, g, N1, "TND", *common[:3], smax, ssum, out, *common[3:], dq, dk,
+        dv)).workspace_bytes}
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+def test_the_window_branch_holds_no_weights_matrix():
+    # the [T, N1, w] float32 weights would be 8192 * 32 * 512 * 4 bytes (512 MiB); a call
+    # adds its workspace (the keys staged as float32, 2 x 8192 x 320 x 4 bytes for the
+    # forward) and a few MiB
+    _added_at_most_the_workspace(WINDOW_MEMORY, 48 * MiB)
+
+
+def _added_at_most_the_workspace(script, most):
+    """Run ``script`` in a child (PRELUDE, it, MEASURE): each call's workspace is under
+    ``most`` and the call adds at most that workspace and 4 MiB to the peak RSS."""
+    child = subprocess.run([sys.executable, "-c", PRELUDE + script + MEASURE],
+                           capture_output=True, text=True, timeout=900, check=True)
     result = json.loads(child.stdout.strip().splitlines()[-1])
     for op in ("forward", "backward"):
         extra, workspace = result[op]["added"], result[op]["workspace"]
-        assert workspace < 16 * MiB, (op, workspace / MiB)
+        assert workspace < most, (op, workspace / MiB)
         assert extra <= workspace + 4 * MiB, (op, extra / MiB, workspace / MiB)
 
 

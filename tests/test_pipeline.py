@@ -339,7 +339,8 @@ def test_the_entries_overlap_check_is_numpys_on_contiguous_arrays():
 
 def test_every_operator_is_registered_once():
     assert set(_pipeline.OPERATORS) == {"forward", "grad", "infer", "select", "select_grad",
-                                        "compress_attention", "compress_attention_grad"}
+                                        "compress_attention", "compress_attention_grad",
+                                        "fusion_attention", "fusion_attention_grad"}
     assert _pipeline.OPERATORS["infer"] is _operators.COMPRESS_INFER
     assert _pipeline.OPERATORS["select_grad"] is _operators.SELECT_GRAD
     with pytest.raises(ValueError, match="already registered"):
