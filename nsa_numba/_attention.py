@@ -1,5 +1,6 @@
 """The attention kernels: selected attention (planned by ``_select``) and dense
-attention, every key of a sequence under a mask (compressed attention, planned by
+attention, the keys of a sequence its band and mask leave visible (fusion and
+compressed attention, planned by ``_dense`` through ``_fusion`` and
 ``_compress_attention``), each a forward and a backward in two passes; the planners
 document the operators. Here the arithmetic, told for selected attention:
 
@@ -23,10 +24,11 @@ document the operators. Here the arithmetic, told for selected attention:
   and no order that depends on the threads: the result is the same bits for any
   thread count.
 
-Dense attention has the same shape (``dense_stage``, ``cmp_forward``, ``dense_grad_dq``,
-``dense_grad_dkdv``), with keys in chunks of CHUNK staged as float32 and each query
-row computing only the chunks its visible range meets (``dense_ranges``); its
-forward adds the importance of each block of raw keys and the top-k.
+Dense attention has the same shape (``dense_stage``, ``dense_forward``,
+``dense_grad_dq``, ``dense_grad_dkdv``), with keys in chunks of CHUNK staged as
+float32, units of several tokens, and each query row computing only the chunks its
+visible range meets (``dense_ranges``); compressed attention's forward
+(``cmp_forward``) adds the importance of each block of raw keys and the top-k.
 
 All products go through :func:`_mm`, one register tile whose per-element sum runs
 over its depth in order with fused multiply-adds (``_lanes``); float64 problems take
