@@ -964,7 +964,7 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
 # CHUNK; a unit computes only the chunks that meet its row's range, which leaves every
 # sum as it was (a key outside the range has P = 0 exactly).
 #
-# A unit is a block of consecutive query tokens of one sequence (``unit_tokens``) and
+# A unit is a block of consecutive query tokens of one sequence (``blocks``) and
 # ``Gu`` heads ``h0 = u * Gu ..`` of KV head ``j = h0 // G``: the whole group (``Gu =
 # G``), or one head when the mask has one per head. Its rows (tokens times heads)
 # share each key chunk it loads; the owners of dk and dv batch rows the same way.
@@ -974,7 +974,8 @@ CHUNK = 64
 #: units a parallel iteration runs in a row (one thread-id lookup and one scratch
 #: row for all of them)
 UNIT_RUN = 8
-#: query rows (tokens times heads) a dense forward or dq unit computes together
+#: query rows (tokens times heads) a dense forward or dq unit computes together: it
+#: takes ``max(1, UNIT_ROWS // Gu)`` consecutive tokens (``_dense.DensePlan.tokens``)
 UNIT_ROWS = 16
 #: a bound no position reaches: a sequence's geometry without a band
 UNBOUNDED = 1 << 40
@@ -1055,13 +1056,6 @@ def _chunk_rows(rows, base, n, first, N2, j, width):
     for i in range(n):
         c, r = divmod(first + i, CHUNK)
         rows[i] = (((base + c) * N2 + j) * CHUNK + r) * width
-
-
-@jit
-def unit_tokens(Gu):
-    """Consecutive tokens a dense unit takes: enough that its rows (tokens times its
-    ``Gu`` heads) reach UNIT_ROWS, so each key chunk it loads serves that many rows."""
-    return max(1, UNIT_ROWS // Gu)
 
 
 @jit

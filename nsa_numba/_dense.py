@@ -141,7 +141,9 @@ class DensePlan(Chunks, AttentionPlan):
 
     @property
     def tokens(self):
-        """Consecutive tokens a forward or dq unit takes (``_attention.unit_tokens``)."""
+        """Consecutive tokens a forward or dq unit takes: enough that its rows (tokens
+        times its ``Gu`` heads) reach ``_attention.UNIT_ROWS``, so each key chunk it
+        loads serves that many rows."""
         return max(1, _attention.UNIT_ROWS // self.Gu)
 
     @property
