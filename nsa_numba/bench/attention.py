@@ -79,11 +79,14 @@ def _split(result, plans, steps_of, work, repeat):
 
 def _versus(result, ref_fwd, ref_both):
     """The PyTorch implementation's times (forward, forward + backward) and the
-    speed-ups over it."""
+    speed-ups over it. Its backward is the difference of the two: where noise makes
+    that not positive (a tiny case on a loaded machine), the backward's columns are
+    NaN rather than a meaningless ratio."""
+    back = ref_both - ref_fwd if ref_both > ref_fwd else float("nan")
     result["torch_forward_s"] = ref_fwd
-    result["torch_backward_s"] = ref_both - ref_fwd
+    result["torch_backward_s"] = back
     result["forward_speedup"] = ref_fwd / result["forward_s"]
-    result["backward_speedup"] = (ref_both - ref_fwd) / result["backward_s"]
+    result["backward_speedup"] = back / result["backward_s"]
 
 
 def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
