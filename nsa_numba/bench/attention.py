@@ -89,6 +89,31 @@ def _versus(result, ref_fwd, ref_both):
     result["backward_speedup"] = back / result["backward_s"]
 
 
+def _better_of_two(forward, both):
+    """(forward s, forward + backward s) of a PyTorch baseline: each path once untimed
+    (PyTorch's first calls set things up, autograd's too), then the better of two
+    timed calls each."""
+    forward()
+    both()
+    times = []
+    for fn in (forward, both):
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    return times[0], times[1]
+
+
+def _dense_split(result, plans, op, flops, keys, D, Dv, repeat):
+    """``_split`` of a dense forward and gradient (``op`` and ``op``_grad), with the
+    FLOPs of the forward and of the gradient's two passes."""
+    _split(result, plans, _dense.dense_steps,
+           {f"{op} forward": flops, f"{op}_grad dq": 2 * keys * (2 * D + Dv),
+            f"{op}_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}, repeat)
+
+
 def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
     """(forward s, forward + backward s) of selected attention written in PyTorch over
     chunks of ``chunk`` tokens: gather the selected blocks, matmul, mask, softmax in
@@ -254,17 +279,7 @@ def torch_compress_attention(q, k, v, mask, lists, scale, count, chunk=256):
                 chunk_out(q0, a, min(q1, a + chunk), k0, k1, qq, kk, vv).square().sum() \
                     .backward()
 
-    forward()                           # PyTorch's first calls set things up: untimed,
-    both()                              # for autograd's path too
-    times = []
-    for fn in (forward, both):          # the better of two calls each
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return times[0], times[1]
+    return _better_of_two(forward, both)
 
 
 def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
@@ -306,10 +321,7 @@ def run_cmp_case(name, dtype, repeat, rate, use_torch, split=False):
                          backward_workspace=plans[1].workspace_bytes, weights_bytes=keys * 4),
                     forward, backward, flops, rate, repeat)
     if split:
-        _split(result, plans, _dense.dense_steps,
-               {"compress_attention forward": flops[0],
-                "compress_attention_grad dq": 2 * keys * (2 * D + Dv),
-                "compress_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}, repeat)
+        _dense_split(result, plans, "compress_attention", flops[0], keys, D, Dv, repeat)
     if use_torch:
         _versus(result, *torch_compress_attention(q, k, v, mask, lists, scale, count))
     return result
@@ -372,17 +384,7 @@ def torch_window(q, k, v, kw, window, chunk=512):
         out = output(qq, kk, vv)
         out.backward(torch.ones_like(out))
 
-    forward()
-    both()
-    times = []
-    for fn in (forward, both):
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return times[0], times[1]
+    return _better_of_two(forward, both)
 
 
 def _torch_of(a):
@@ -429,10 +431,7 @@ def run_fusion_case(name, dtype, repeat, rate, use_torch, split=False):
                          backward_workspace=plans[1].workspace_bytes),
                     forward, backward, flops, rate, repeat)
     if split:
-        _split(result, plans, _dense.dense_steps,
-               {"fusion_attention forward": flops[0],
-                "fusion_attention_grad dq": 2 * keys * (2 * D + Dv),
-                "fusion_attention_grad dk dv": 2 * keys * (2 * D + 2 * Dv)}, repeat)
+        _dense_split(result, plans, "fusion_attention", flops[0], keys, D, Dv, repeat)
     if use_torch:
         _versus(result, *torch_window(q, k, v, kw, window))
     return result
