@@ -326,23 +326,32 @@ def test_bench_select_command(tmp_path):
 TINY_CMP = ((256, 160), 4, 2, 192, 128, 2)
 
 
-def test_compressed_attention_benchmarks_run_once(monkeypatch):
+def _dense_bench_once(monkeypatch, cases_name, case, asv_class, runner, op):
+    """The asv class's setup and timings once on ``case`` (as "tiny"), then the bench
+    runner with --split; checks the launches' names and returns (result, whether
+    PyTorch ran)."""
     from benchmarks import bench_attention
     from nsa_numba.bench import attention, cases
-    monkeypatch.setitem(cases.CMP_CASES, "tiny", TINY_CMP)
-    bench = bench_attention.CompressedAttention()
+    monkeypatch.setitem(getattr(cases, cases_name), "tiny", case)
+    bench = getattr(bench_attention, asv_class)()
     bench.setup("tiny", "bf16")
     bench.time_forward("tiny", "bf16")
     bench.time_backward("tiny", "bf16")
     use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
     if use_torch:
         pytest.importorskip("torch")
-    result = attention.run_cmp_case("tiny", "bf16", 2, 100.0, use_torch, split=True)
+    result = getattr(attention, runner)("tiny", "bf16", 2, 100.0, use_torch, split=True)
     assert list(result["steps"]) == [
-        "compress_attention stage", "compress_attention ranges", "compress_attention forward",
-        "compress_attention_grad stage", "compress_attention_grad ranges",
-        "compress_attention_grad dq", "compress_attention_grad order",
-        "compress_attention_grad dk dv"]
+        f"{op} stage", f"{op} ranges", f"{op} forward", f"{op}_grad stage",
+        f"{op}_grad ranges", f"{op}_grad dq", f"{op}_grad order", f"{op}_grad dk dv"]
+    return result, use_torch
+
+
+def test_compressed_attention_benchmarks_run_once(monkeypatch):
+    from nsa_numba.bench import attention, cases
+    result, use_torch = _dense_bench_once(monkeypatch, "CMP_CASES", TINY_CMP,
+                                          "CompressedAttention", "run_cmp_case",
+                                          "compress_attention")
     keys = cases.cmp_visible((256, 160)) * 4
     mask = cases.cmp_mask((256, 160))
     assert keys == 4 * ((~mask[:256, :15]).sum() + (~mask[:160, :9]).sum())
@@ -360,22 +369,10 @@ TINY_FUSION = ((200, 120), 8, 2, 64, 32, 48)
 
 
 def test_fusion_attention_benchmarks_run_once(monkeypatch):
-    from benchmarks import bench_attention
     from nsa_numba.bench import attention, cases
-    monkeypatch.setitem(cases.FUSION_CASES, "tiny", TINY_FUSION)
-    bench = bench_attention.FusionAttention()
-    bench.setup("tiny", "bf16")
-    bench.time_forward("tiny", "bf16")
-    bench.time_backward("tiny", "bf16")
-    use_torch = bool(os.environ.get("NSA_NUMBA_REQUIRE_TORCH"))
-    if use_torch:
-        pytest.importorskip("torch")
-    result = attention.run_fusion_case("tiny", "bf16", 2, 100.0, use_torch, split=True)
-    assert list(result["steps"]) == [
-        "fusion_attention stage", "fusion_attention ranges", "fusion_attention forward",
-        "fusion_attention_grad stage", "fusion_attention_grad ranges",
-        "fusion_attention_grad dq", "fusion_attention_grad order",
-        "fusion_attention_grad dk dv"]
+    result, use_torch = _dense_bench_once(monkeypatch, "FUSION_CASES", TINY_FUSION,
+                                          "FusionAttention", "run_fusion_case",
+                                          "fusion_attention")
     # the window of 48 keys: min(i + 1, 48) per query position, 8 heads
     keys = 8 * sum(min(i + 1, 48) for n in (200, 120) for i in range(n))
     assert cases.fusion_visible((200, 120), 48) * 8 == keys
