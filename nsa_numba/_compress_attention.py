@@ -28,8 +28,8 @@ import numpy as np
 from . import _attention, _seqlens
 from ._dense import DensePlan, chunks, unbounded
 from ._errors import invalid, tiling
-from ._plan import Rules
-from ._select import (STAT_LANES, _int, _launch, _no_overlap, _output, _scale, _starts,
+from ._plan import Rules, check_no_overlap
+from ._select import (STAT_LANES, _int, _launch, _output, _scale, _starts,
                       _stat_dtype, check_heads, check_saved, paired_starts)
 
 PY_NAMES = {
@@ -202,7 +202,7 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
     for k, a in (("atten_mask", atten_mask), ("topk_mask", topk_mask)):
         if isinstance(a, np.ndarray):
             inputs[k] = a
-    _no_overlap(rules, outputs, inputs)
+    check_no_overlap(rules, outputs, inputs)
     arrays = {"query": query, "key": key, "value": value, **outputs}
     return CompressAttentionPlan(
         op="compress_attention",
@@ -247,7 +247,7 @@ def plan_compress_attention_grad(rules, grad, query, key, value, attention_out, 
     shapes = {"dq": (query.shape, dtype), "dk": (key.shape, dtype), "dv": (value.shape, dtype)}
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (("dq", dq), ("dk", dk),
                                                                ("dv", dv))}
-    _no_overlap(rules, outputs, arrays)
+    check_no_overlap(rules, outputs, arrays)
     arrays.pop("atten_mask", None)
     arrays.update(outputs)
     return DensePlan(op="compress_attention_grad",

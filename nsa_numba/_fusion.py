@@ -36,8 +36,8 @@ import numpy as np
 from . import _attention, _seqlens
 from ._dense import DensePlan, chunks, unbounded
 from ._errors import invalid, missing, tiling
-from ._plan import Rules, check_array
-from ._select import _int, _no_overlap, _output, _scale, _starts, _stat_dtype
+from ._plan import Rules, check_array, check_no_overlap
+from ._select import _int, _output, _scale, _starts, _stat_dtype
 
 FORWARD_NAMES = {
     "query": "query", "key": "key", "value": "value", "head_num": "head_num",
@@ -106,12 +106,10 @@ def _not_implemented(rules, pse, padding_mask, prefix, keep_prob, sparse_mode,
 
 def _keep_prob(rules, value):
     name = rules.names["keep_prob"]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                     np.floating)):
-        raise invalid(rules.op, f"{name} must be a real number in (0, 1], got {value!r}")
+    value = _seqlens.as_real(rules.op, name, value)
     if not 0 < value <= 1:
         raise invalid(rules.op, f"{name} must be in (0, 1], got {value}")
-    return float(value)
+    return value
 
 
 def _dims(rules, layout, query, key, value, head_num):
@@ -394,7 +392,7 @@ def plan_fusion(rules, query, key, value, head_num, layout, pse, padding_mask, a
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (
         ("attention_out", attention_out), ("softmax_max", softmax_max),
         ("softmax_sum", softmax_sum))}
-    _no_overlap(rules, outputs, inputs)
+    check_no_overlap(rules, outputs, inputs)
     inputs.pop("atten_mask", None)
     return DensePlan(op="fusion_attention", **fields, arrays={**inputs, **outputs},
                      pending={k: shapes[k] for k, a in outputs.items() if a is None})
@@ -432,7 +430,7 @@ def plan_fusion_grad(rules, query, key, value, dy, head_num, layout, pse, paddin
     shapes = {"dq": (query.shape, dtype), "dk": (key.shape, dtype), "dv": (value.shape, dtype)}
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (("dq", dq), ("dk", dk),
                                                                ("dv", dv))}
-    _no_overlap(rules, outputs, inputs)
+    check_no_overlap(rules, outputs, inputs)
     inputs.pop("atten_mask", None)
     return DensePlan(op="fusion_attention_grad", **fields, arrays={**inputs, **outputs},
                      pending={k: shapes[k] for k, a in outputs.items() if a is None})

@@ -36,8 +36,8 @@ from . import _seqlens
 from ._errors import invalid, missing, tiling
 from ._jit import BOUNDSCHECK, jit
 from ._layouts import c_carrier
-from ._plan import (ACCUMULATOR, STORAGE, TILE_ELEMENTS, WORKSPACE_ALIGN, Rules, kind_of,
-                    overlaps, scratch_slots)
+from ._plan import (ACCUMULATOR, STORAGE, TILE_ELEMENTS, WORKSPACE_ALIGN, Rules,
+                    check_no_overlap, kind_of, scratch_slots)
 from ._plan import check_array as _array, check_int as _int
 
 PY_NAMES = {
@@ -377,10 +377,7 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
     for key, a in (("slot_mapping", slot_mapping), ("block_table", block_table)):
         if isinstance(a, np.ndarray):
             arrays[key] = a
-    for key, a in arrays.items():
-        if key != "cache" and overlaps(cache, a):
-            raise invalid(op, f"{names['cache']} overlaps {names[key]} in memory; the cache "
-                              f"must not share memory with the other arguments")
+    check_no_overlap(rules, {"cache": cache}, {k: a for k, a in arrays.items() if k != "cache"})
     elements = -(-N * D // 16) * 16
     return InferPlan(dtype=x.dtype, N=N, D=D, block=block, writers=int(writer_slots.size),
                      slots=writer_slots, source=source, scratch_slots=scratch_slots(),

@@ -39,7 +39,7 @@ COMPRESS_GRAD = register(Operator(
 #: actual_seq_len_type, layout, cache) -> cache
 COMPRESS_INFER = register(Operator(
     name="infer", planner=plan_infer, launch=_dispatch.run_infer,
-    results=lambda plan: plan.arrays["cache"]))
+    results=lambda plan: plan.arrays["cache"], reads_contents=True))
 
 #: nsa_select_attention (aclnnNsaSelectedAttention): args (query, key, value,
 #: topk_indices, scale_value, head_num, select_block_size, select_block_count,
@@ -49,7 +49,7 @@ COMPRESS_INFER = register(Operator(
 SELECT = register(Operator(
     name="select", planner=plan_select, launch=run_select,
     results=lambda plan: (plan.arrays["attention_out"], plan.arrays["softmax_max"],
-                          plan.arrays["softmax_sum"])))
+                          plan.arrays["softmax_sum"]), reads_contents=True))
 
 #: nsa_select_attention_grad (aclnnNsaSelectedAttentionGrad): args (grad, query, key,
 #: value, attention_out, softmax_max, softmax_sum, topk_indices, scale_value, head_num,
@@ -57,7 +57,8 @@ SELECT = register(Operator(
 #: actual_seq_kvlen, dq, dk, dv) -> (dq, dk, dv)
 SELECT_GRAD = register(Operator(
     name="select_grad", planner=plan_select_grad, launch=run_select,
-    results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"])))
+    results=lambda plan: (plan.arrays["dq"], plan.arrays["dk"], plan.arrays["dv"]),
+    reads_contents=True))
 
 #: nsa_compress_attention (aclnnNsaCompressAttention), the forward with its top-k
 #: blocks: args (query, key, value, scale_value, head_num, compress_block_size,

@@ -24,9 +24,13 @@ a prepared call only ever answers arguments that passed. Operators without a
 signature always take the full path.
 """
 
+import inspect
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._cache import BoundedCache
+from ._errors import invalid
 
 #: most prepared calls kept, and most bytes of tile tables they may hold
 CACHED_CALLS = 256
@@ -55,6 +59,15 @@ class Operator:
     fast: object = None
     #: (plan, launched, *args) -> (prepared call, bytes it holds), or None
     prepare: object = None
+    #: whether the planner reads the contents of arrays (indices), not only their
+    #: shapes: the aclnn mirror then plans again at every run, on the current contents
+    reads_contents: bool = False
+
+
+#: each operator's planner parameters after ``rules``, by operator name
+_PARAMS = {}
+#: planner parameters whose name in the rules is another
+_ROLES = {"x": "input"}
 
 
 def register(operator):
@@ -62,7 +75,27 @@ def register(operator):
     if operator.name in OPERATORS:
         raise ValueError(f"operator {operator.name!r} is already registered")
     OPERATORS[operator.name] = operator
+    _PARAMS[operator.name] = tuple(inspect.signature(operator.planner).parameters)[1:]
     return operator
+
+
+def array_arguments(operator, rules, args):
+    """``(name, array)`` of every NumPy array among a call's ``args``, named as
+    ``rules`` name its parameter."""
+    for param, a in zip(_PARAMS[operator.name], args):
+        if isinstance(a, np.ndarray):
+            yield rules.names.get(_ROLES.get(param, param), param), a
+
+
+def _checked_plan(operator, rules, args):
+    """The planner's plan; first NsaError for a masked array, whose mask no kernel
+    would honour (the planners take every other array as what it is)."""
+    for name, a in array_arguments(operator, rules, args):
+        if isinstance(a, np.ma.MaskedArray):
+            raise invalid(rules.op, f"{name} must be a plain numpy.ndarray, got a "
+                                    f"numpy.ma.MaskedArray, whose mask would be ignored "
+                                    f"(pass its .filled() or .data)")
+    return operator.planner(rules, *args)
 
 
 def call(operator, rules, args, threads=None, known=True):
@@ -77,7 +110,7 @@ def call(operator, rules, args, threads=None, known=True):
         results = operator.fast(kept[0], threads, *args)
         if results is not None:
             return results
-    plan = operator.planner(rules, *args)
+    plan = _checked_plan(operator, rules, args)
     plan.allocate()
     launched = operator.launch(plan, None, threads)
     if signature is not None:
@@ -90,7 +123,7 @@ def call(operator, rules, args, threads=None, known=True):
 def plan(operator, rules, args):
     """The first half of the path (aclnn's phase one): the checked plan with its
     outputs allocated."""
-    checked = operator.planner(rules, *args)
+    checked = _checked_plan(operator, rules, args)
     checked.allocate()
     return checked
 

@@ -289,13 +289,46 @@ def overlaps(a, b):
         return True
 
 
-def _check_no_overlap(rules, outputs, inputs):
-    """Caller-provided outputs must not share memory with the inputs or each other."""
-    keys = list(outputs)
+def self_overlaps(a):
+    """Whether two elements of ``a`` share a byte (a stride of 0 over an axis of more
+    than one element, say); when that is too hard to decide, assume so."""
+    if a.size <= 1:
+        return False
+    span = a.itemsize
+    for stride, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if stride < span:
+            break
+        span += stride * (n - 1)
+    else:
+        return False                # each axis steps past everything the axes below span
+    if a.size > SELF_OVERLAP_EXACT:
+        return True
+    offsets = np.zeros(1, np.int64)
+    for s, n in zip(a.strides, a.shape):
+        offsets = (offsets[:, None] + s * np.arange(n, dtype=np.int64)).reshape(-1)
+    offsets.sort()
+    return bool((np.diff(offsets) < a.itemsize).any())
+
+
+#: elements up to which ``self_overlaps`` decides an unusual layout by listing the
+#: offsets of its elements (32 MiB of them); a larger one is refused
+SELF_OVERLAP_EXACT = 1 << 22
+
+
+def check_no_overlap(rules, outputs, inputs):
+    """The outputs the caller gave (None: allocated later) must share no memory with
+    each other, with any array of ``inputs`` (everything the call reads: other values
+    are passed over), nor between their own elements. NsaError naming both arrays."""
+    keys = [k for k, a in outputs.items() if a is not None]
+    readers = [(k, a) for k, a in inputs.items() if isinstance(a, np.ndarray)]
     for i, okey in enumerate(keys):
-        others = list(inputs.items()) + [(k, outputs[k]) for k in keys[i + 1:]]
-        for key, a in others:
-            if overlaps(outputs[okey], a):
+        out = outputs[okey]
+        if self_overlaps(out):
+            raise invalid(rules.op, f"{rules.names[okey]} has elements that share memory "
+                                    f"(shape {out.shape}, strides {out.strides}); an output "
+                                    f"must have a place of its own for every element")
+        for key, a in readers + [(k, outputs[k]) for k in keys[i + 1:]]:
+            if overlaps(out, a):
                 raise invalid(rules.op, f"{rules.names[okey]} overlaps {rules.names[key]} in "
                                         f"memory; outputs must not share memory with the "
                                         f"inputs or with each other")
@@ -568,7 +601,7 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     given = {"out": out} if out is not None else {}
     out_shape = layout.shape(B, seqs.out_rows, N, D)
     out = _check_output(rules, "out", out, out_shape, x.dtype, _window_dims(rules, layout))
-    _check_no_overlap(rules, given, {"input": x, "weight": weight})
+    check_no_overlap(rules, given, {"input": x, "weight": weight})
     scratch = forward_scratch_elements(N, D, block, stride)
     views = {"input": layout.view4(x, N)}
     if out is not None:
@@ -605,7 +638,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
                                _dims(rules, layout))
     weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
-    _check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
+    check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
     scratch = backward_scratch_elements(N, D, block, stride)
     views = {"grad": layout.view4(grad, N), "input": layout.view4(x, N)}
     if input_grad is not None:

@@ -41,8 +41,8 @@ import numpy as np
 from . import _attention, _pool, _seqlens, _threading
 from ._errors import invalid, missing, tiling
 from ._jit import jit
-from ._plan import (ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, check_array, kind_of,
-                    overlaps, scratch_slots)
+from ._plan import (ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, check_array,
+                    check_no_overlap, kind_of, scratch_slots)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "topk": "topk_indices",
@@ -203,12 +203,7 @@ def _int(rules, key, value):
 
 
 def _scale(rules, value):
-    name = rules.names["scale"]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                     np.floating)):
-        raise invalid(rules.op, f"{name} must be a real number, got {value!r} "
-                                f"({type(value).__name__})")
-    return float(value)
+    return _seqlens.as_real(rules.op, rules.names["scale"], value)
 
 
 def _array(rules, key, a, dims):
@@ -377,18 +372,6 @@ def _output(rules, key, a, shape, dtype):
     return a
 
 
-def _no_overlap(rules, outputs, inputs):
-    keys = [k for k, a in outputs.items() if a is not None]
-    for n, key in enumerate(keys):
-        others = [(k, a) for k, a in inputs.items() if isinstance(a, np.ndarray)]
-        others += [(k, outputs[k]) for k in keys[n + 1:]]
-        for other, a in others:
-            if overlaps(outputs[key], a):
-                raise invalid(rules.op, f"{rules.names[key]} overlaps {rules.names[other]} "
-                                        f"in memory; outputs must not share memory with the "
-                                        f"inputs or each other")
-
-
 def _stat_dtype(dtype):
     return np.dtype(np.float64) if kind_of(dtype) == "float64" else np.dtype(np.float32)
 
@@ -443,6 +426,7 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
     if atten_mask is not None and not _is_array(atten_mask):
         raise invalid(op, f"{names['atten_mask']} must be None or an array (only whether "
                           f"it is given matters), got {type(atten_mask).__name__}")
+    given_topk = topk
     topk = _topk(rules, topk, (T1, N2, count))
     q_starts, kv_starts = paired_starts(rules, seq_q, seq_kv, T1, T2)
     if rules.strict:
@@ -460,7 +444,8 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
                   count=count, scale=scale, causal=atten_mask is not None,
                   q_starts=q_starts, blk_starts=blk_starts.astype(np.int64),
                   block_row=block_row, tails=tails.astype(np.int64), topk=topk)
-    return fields, {"query": query, "key": key, "value": value}
+    # the caller's indices join the overlap checks (the kernels read them, or their copy)
+    return fields, {"query": query, "key": key, "value": value, "topk": given_topk}
 
 
 def check_saved(rules, arrays, grad, attention_out, softmax_max, softmax_sum, shape, dtype):
@@ -509,7 +494,7 @@ def plan_select(rules, query, key, value, topk, scale, head_num, block, count, a
     given = {"attention_out": attention_out, "softmax_max": softmax_max,
              "softmax_sum": softmax_sum}
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in given.items()}
-    _no_overlap(rules, outputs, arrays)
+    check_no_overlap(rules, outputs, arrays)
     arrays.update(outputs)
     return SelectPlan(op="select", arrays=arrays,
                       pending={k: shapes[k] for k, a in outputs.items() if a is None},
@@ -534,7 +519,7 @@ def plan_select_grad(rules, grad, query, key, value, attention_out, softmax_max,
               "dv": (arrays["value"].shape, dtype)}
     outputs = {k: _output(rules, k, a, *shapes[k]) for k, a in (("dq", dq), ("dk", dk),
                                                                ("dv", dv))}
-    _no_overlap(rules, outputs, arrays)
+    check_no_overlap(rules, outputs, arrays)
     arrays.update(outputs)
     return SelectPlan(op="select_grad", arrays=arrays,
                       pending={k: shapes[k] for k, a in outputs.items() if a is None},

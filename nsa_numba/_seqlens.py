@@ -6,6 +6,7 @@ yields ``max(0, (L - l) // d + 1)`` windows; window ``i`` of sequence ``b`` star
 token ``offsets[b] + i * d`` and is output row ``rows[b] + i`` (``packed_tables``).
 """
 
+import math
 import numbers
 
 import numpy as np
@@ -49,6 +50,22 @@ def as_int64(op, label, value):
     if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
         raise invalid(op, f"{label} must fit in int64, got {value}")
     return value
+
+
+def as_real(op, label, value):
+    """``value`` (a real number, not a bool) as a finite Python float, or NsaError
+    naming ``label``: an integer too large for a float, an infinity or a NaN."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise invalid(op, f"{label} must be a real number, got {value!r} "
+                          f"({type(value).__name__})")
+    try:
+        result = float(value)
+    except OverflowError:
+        raise invalid(op, f"{label} must be a finite real number, got an integer of "
+                          f"{len(str(abs(int(value))))} digits, beyond float64") from None
+    if not math.isfinite(result):
+        raise invalid(op, f"{label} must be a finite real number, got {value!r}")
+    return result
 
 
 def as_int_vector(op, name, values):

@@ -144,11 +144,16 @@ class aclOpExecutor:
 
     Runs once, unless ``aclSetAclOpExecutorRepeatable`` was called; a repeatable
     executor runs until ``aclDestroyAclOpExecutor``. Each run reads the current
-    contents of the tensors given in phase one.
+    contents of the tensors given in phase one; where the checks read contents
+    (selected attention's indices, the with-cache operator's slots and block table),
+    each run checks them again first and fails with nothing written.
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, operator, rules, args):
         self.plan = plan
+        #: what phase one was given: a run re-checks the arrays whose contents the
+        #: checks read (``Operator.reads_contents``) by planning again
+        self.call = (operator, rules, args)
         self.repeatable = False
         self.runs = 0
         self.destroyed = False
@@ -170,7 +175,7 @@ def _get_workspace_size(rules, operator, *args):
     except Exception as err:  # noqa: BLE001 - an unexpected failure must not escape
         return _fail(ACLNN_ERR_INNER, f"{rules.op}: internal error: "
                                       f"{type(err).__name__}: {err}"), 0, None
-    return ACLNN_SUCCESS, plan.workspace_bytes, aclOpExecutor(plan)
+    return ACLNN_SUCCESS, plan.workspace_bytes, aclOpExecutor(plan, operator, rules, args)
 
 
 def aclnnNsaCompressGetWorkspaceSize(input, weight, actSeqLenOptional, layoutOptional,
@@ -336,9 +341,9 @@ def _check_run(op, kind, workspace, workspace_size, executor, stream):
     if workspace.nbytes < workspace_size:
         raise NsaError(f"{op}: workspace holds {workspace.nbytes} bytes, fewer than "
                        f"workspaceSize = {workspace_size}")
-    for role, array in executor.plan.arrays.items():
+    for name, array in _pipeline.array_arguments(*executor.call):
         if overlaps(workspace, array):
-            raise NsaError(f"{op}: workspace overlaps the {role} tensor in memory")
+            raise NsaError(f"{op}: workspace overlaps the {name} tensor in memory")
     return workspace.reshape(-1).view(np.uint8)
 
 
@@ -347,7 +352,17 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
     try:
         with lock:
             raw = _check_run(op, kind, workspace, workspace_size, executor, stream)
-            _pipeline.launch(executor.plan, raw)
+            operator, rules, args = executor.call
+            plan = executor.plan
+            if operator.reads_contents:         # every check again, on what is there now
+                try:
+                    plan = _pipeline.plan(operator, rules, args)
+                except NsaError as err:
+                    raise NsaError(f"{op}: checked again at this run: {err}",
+                                   err.status) from None
+                if plan.workspace_bytes > executor.plan.workspace_bytes:
+                    raise AssertionError("a plan's workspace grew with the index contents")
+            _pipeline.launch(plan, raw)
             executor.runs += 1
     except NsaError as err:
         return _fail(err.status, str(err))
@@ -439,5 +454,5 @@ def aclDestroyAclOpExecutor(executor):
         return status
     with executor._lock:
         executor.destroyed = True
-        executor.plan = None
+        executor.plan = executor.call = None
     return ACLNN_SUCCESS

@@ -93,6 +93,7 @@ def _as_numpy(op, name, t):
         raise invalid(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
+    _require_dense(op, name, t)
     dtype = t.dtype
     if dtype not in _DTYPES:
         raise invalid(op, f"{name} dtype must be one of float16, bfloat16, float32, "
@@ -406,7 +407,10 @@ def _seq_arguments(op, actual_seq_len):
 
 def _require_tensors(op, **named):
     """NsaError for an argument that is not a tensor (a NumPy array, a list...): the
-    torch functions take tensors, the NumPy API (``nsa_numba.nsa_compress``...) arrays."""
+    torch functions take tensors, the NumPy API (``nsa_numba.nsa_compress``...) arrays;
+    and for tensors that are not dense, or not all on one device (meta tensors with
+    CPU ones would otherwise get meta results and no checks at all)."""
+    device = None
     for name, value in named.items():
         if value is None:
             raise missing(op, name)
@@ -415,6 +419,19 @@ def _require_tensors(op, **named):
                     if isinstance(value, np.ndarray) else "")
             raise invalid(op, f"{name} must be a torch.Tensor, got "
                               f"{type(value).__module__}.{type(value).__name__}{hint}")
+        _require_dense(op, name, value)
+        if device is None:
+            device, first = value.device, name
+        elif value.device != device:
+            raise invalid(op, f"{name} is on device {value.device} and {first} on {device}; "
+                              f"the tensors of a call must be on one device")
+
+
+def _require_dense(op, name, t):
+    """NsaError for a sparse, quantized or other tensor that has no strided memory."""
+    if t.layout is not torch.strided:
+        raise invalid(op, f"{name} must be a dense (strided) tensor, got layout {t.layout} "
+                          f"(call .to_dense() first)")
 
 
 def _autocast(*tensors):
@@ -469,6 +486,7 @@ def _index_numpy(op, name, t):
         return None
     if not t.is_cpu:
         raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
+    _require_dense(op, name, t)
     if t.dtype not in _INT_DTYPES:
         raise invalid(op, f"{name} must hold integers, got dtype {t.dtype}")
     return t.numpy()
@@ -737,10 +755,8 @@ def _select_arguments(op, tensors, topk_indices, scale_value, head_num, block, c
     if atten_mask is not None and not isinstance(atten_mask, torch.Tensor):
         raise invalid(op, f"atten_mask must be None or a tensor (only whether it is given "
                           f"matters), got {type(atten_mask).__name__}")
-    if isinstance(scale_value, bool) or not isinstance(scale_value, (int, float)):
-        raise invalid(op, f"scale_value must be a real number, got {scale_value!r} "
-                          f"({type(scale_value).__name__})")
-    return (topk_indices, float(scale_value), _check_int(op, "head_num", head_num),
+    return (topk_indices, _seqlens.as_real(op, "scale_value", scale_value),
+            _check_int(op, "head_num", head_num),
             _check_int(op, "select_block_size", block),
             _check_int(op, "select_block_count", count), atten_mask is not None,
             _seq_list(op, "actual_seq_qlen", actual_seq_qlen),
@@ -799,6 +815,7 @@ def _mask_numpy(op, name, t):
                           f"{type(t).__name__}")
     if not t.is_cpu:
         raise invalid(op, f"{name} must be on the CPU, got device {t.device}")
+    _require_dense(op, name, t)
     if t.dtype not in (torch.bool, torch.uint8):
         raise invalid(op, f"{name} dtype must be bool or uint8, got {t.dtype}")
     return t.numpy()
@@ -889,9 +906,7 @@ def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compres
     for name, mask in (("topk_mask", topk_mask), ("atten_mask", atten_mask)):
         if mask is not None:
             _mask_numpy(op, name, mask)
-    if isinstance(scale_value, bool) or not isinstance(scale_value, (int, float)):
-        raise invalid(op, f"scale_value must be a real number, got {scale_value!r} "
-                          f"({type(scale_value).__name__})")
+    scale_value = _seqlens.as_real(op, "scale_value", scale_value)
     ints = [_check_int(op, name, v) for name, v in (
         ("head_num", head_num), ("compress_block_size", compress_block_size),
         ("compress_stride", compress_stride), ("select_block_size", select_block_size),
@@ -901,7 +916,7 @@ def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compres
         ("actual_sel_seq_kvlen", actual_sel_seq_kvlen))]
     query, key, value = _autocast(query, key, value)
     return tuple(torch.ops.nsa_numba.nsa_compress_attention(
-        query, key, value, float(scale_value), *ints, topk_mask, atten_mask, *lengths))
+        query, key, value, scale_value, *ints, topk_mask, atten_mask, *lengths))
 
 
 def _longest(ends):
@@ -1047,10 +1062,8 @@ def _fusion_arguments(op, tensors, head_num, input_layout, pse, padding_mask, at
     for name, value in (("pse", pse), ("padding_mask", padding_mask), ("prefix", prefix)):
         if value is not None:
             raise NotImplementedError(f"{op}: {name} is not supported (it must be None)")
-    for name, value in ((scale_name, scale), ("keep_prob", keep_prob)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid(op, f"{name} must be a real number, got {value!r} "
-                              f"({type(value).__name__})")
+    scale, keep_prob = (_seqlens.as_real(op, name, value) for name, value in (
+        (scale_name, scale), ("keep_prob", keep_prob)))
     if 0 < keep_prob < 1:
         raise NotImplementedError(f"{op}: keep_prob < 1 (dropout) is not supported, got "
                                   f"{keep_prob}")
@@ -1064,8 +1077,8 @@ def _fusion_arguments(op, tensors, head_num, input_layout, pse, padding_mask, at
         ("inner_precise", inner_precise))]
     seqs = [_seq_list(op, name, v) for name, v in (("actual_seq_qlen", actual_seq_qlen),
                                                     ("actual_seq_kvlen", actual_seq_kvlen))]
-    return (_check_int(op, "head_num", head_num), input_layout, atten_mask, float(scale),
-            float(keep_prob), *ints, *seqs, _check_int(op, "sparse_mode", sparse_mode))
+    return (_check_int(op, "head_num", head_num), input_layout, atten_mask, scale,
+            keep_prob, *ints, *seqs, _check_int(op, "sparse_mode", sparse_mode))
 
 
 def _numels(query, key, head_num, layout, seq_q, seq_kv):

@@ -22,6 +22,7 @@ import nsa_numba
 from nsa_numba import NsaError
 from nsa_numba.aclnn import (ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
                              ACLNN_SUCCESS, aclDestroyAclOpExecutor, aclGetRecentErrMsg,
+                             aclSetAclOpExecutorRepeatable,
                              aclnnNsaCompress, aclnnNsaCompressGetWorkspaceSize,
                              aclnnNsaCompressAttention,
                              aclnnNsaCompressAttentionGetWorkspaceSize,
@@ -108,11 +109,13 @@ def bad_array(draw, call, role):
     """A value for array argument ``role`` that no rule accepts, whatever the rest is."""
     good = call[role]
     how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape", "readonly",
-                                "alias"] if role in OUTPUTS[call["op"]] else
-                               ["not-array", "none", "ndim", "dtype", "shape"]))
+                                "alias", "self-overlap"] if role in OUTPUTS[call["op"]] else
+                               ["not-array", "none", "ndim", "dtype", "shape", "masked"]))
     note(f"{role}: {how}")
     if how == "none":
         return None
+    if how in ("self-overlap", "masked"):
+        return _hostile_array(draw, good, how)
     if how == "not-array":
         return draw(NOT_ARRAYS)
     if how == "ndim":
@@ -135,6 +138,18 @@ def bad_array(draw, call, role):
         good.flags.writeable = False
         return good
     return draw(st.sampled_from(_aliases(call, role)))
+
+
+def _hostile_array(draw, good, how):
+    """``good``'s shape and dtype over memory two of its elements share (a stride of 0
+    along one axis, or rows that step by less than they span), or as a masked array."""
+    if how == "masked":
+        return np.ma.masked_array(good)          # (no mask: the bytes compare as they are)
+    axis = draw(st.integers(0, good.ndim - 1))
+    assume(good.shape[axis] > 1)
+    strides = list(good.strides)
+    strides[axis] = draw(st.sampled_from([0, good.itemsize if axis < good.ndim - 1 else 0]))
+    return np.lib.stride_tricks.as_strided(good, good.shape, strides, writeable=True)
 
 
 def _other_half(dtype):
@@ -657,6 +672,11 @@ SELECT_OUTPUTS = {"forward": ("attention_out", "softmax_max", "softmax_sum"),
                   "grad": ("dq", "dk", "dv")}
 
 
+#: scales no rule accepts: not numbers, a bool, and numbers beyond a finite float
+HOSTILE_SCALES = ["1", None, [1.0], True, 10 ** 400, -(10 ** 400), float("inf"),
+                  float("nan")]
+
+
 @st.composite
 def valid_select_calls(draw):
     """A valid strict float16/bfloat16 selected-attention call, outputs given."""
@@ -688,9 +708,17 @@ def select_mutations(draw):
         "scale", "head_num", "block", "count", "mask", "seq_q", "seq_kv"]))
     good = call[key]
     if key == "topk":
-        how = draw(st.sampled_from(["negative", "past", "shape", "float", "none"]))
+        how = draw(st.sampled_from(["negative", "past", "shape", "float", "none",
+                                    "over-output"]))
         note(f"topk: {how}")
         bad = good.copy()
+        if how == "over-output":            # valid indices in an output's memory
+            output = call[draw(st.sampled_from(SELECT_OUTPUTS[call["op"]]))]
+            words = output.reshape(-1).view(np.uint8)
+            assume(words.size >= good.nbytes)
+            start = draw(st.integers(0, (words.size - good.nbytes) // 4)) * 4
+            bad = words[start:start + good.nbytes].view(np.int32).reshape(good.shape)
+            bad[...] = good
         t, j, i = (draw(st.integers(0, n - 1)) for n in good.shape)
         if how == "negative":
             bad[t, j, i] = -draw(st.integers(1, 2 ** 31 - 1))
@@ -706,10 +734,13 @@ def select_mutations(draw):
     elif isinstance(good, np.ndarray):
         output = key in SELECT_OUTPUTS[call["op"]]    # None: allocated (Python API)
         how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
-                                   + (["alias"] if output else ["none"])))
+                                   + (["alias", "self-overlap"] if output
+                                      else ["none", "masked"])))
         note(f"{key}: {how}")
         if how == "none":
             call[key] = None
+        elif how in ("self-overlap", "masked"):
+            call[key] = _hostile_array(draw, good, how)
         elif how == "not-array":
             call[key] = draw(NOT_ARRAYS)
         elif how == "ndim":
@@ -736,7 +767,7 @@ def select_mutations(draw):
         call[key] = _bad_lengths(draw, key, good)
     else:
         value = draw(st.sampled_from({
-            "scale": ["1", None, [1.0], True],
+            "scale": HOSTILE_SCALES,
             "head_num": [0, call["head_num"] + 1, 1.0, None],
             "block": [0, 8, 24, 256, 16.0, "16"],
             "count": [0, 33, 2.0, None],
@@ -767,6 +798,15 @@ def _select_python(call):
 
 
 def _select_aclnn(call):
+    status, size, executor, run = _select_phase_one(call)
+    if status == ACLNN_SUCCESS:
+        status = run(np.empty(size, np.uint8), size, executor)
+        raise AssertionError(f"the aclnn mirror accepted an invalid call ({status})")
+    return status
+
+
+def _select_phase_one(call):
+    """(status, workspace size, executor, phase two) of a selected-attention call."""
     if call["op"] == "forward":
         status, size, executor = aclnnNsaSelectedAttentionGetWorkspaceSize(
             call["query"], call["key"], call["value"], call["topk"], call["mask"],
@@ -781,10 +821,30 @@ def _select_aclnn(call):
             call["seq_kv"], call["mask"], call["scale"], call["block"], call["count"],
             call["head_num"], "TND", 2, call["dq"], call["dk"], call["dv"])
         run = aclnnNsaSelectedAttentionGrad
-    if status == ACLNN_SUCCESS:
-        status = run(np.empty(size, np.uint8), size, executor)
-        raise AssertionError(f"the aclnn mirror accepted an invalid call ({status})")
-    return status
+    return status, size, executor, run
+
+
+@given(valid_select_calls(), st.booleans(), st.data())
+def test_indices_broken_between_the_aclnn_phases_are_refused(call, repeated, data):
+    """Phase two checks the indices it reads again: broken after phase one, or between
+    two runs of a repeatable executor, the run fails and writes nothing."""
+    status, size, executor, run = _select_phase_one(call)
+    assert status == ACLNN_SUCCESS, aclGetRecentErrMsg()
+    if repeated:
+        assert aclSetAclOpExecutorRepeatable(executor) == ACLNN_SUCCESS
+        assert run(np.empty(size, np.uint8), size, executor) == ACLNN_SUCCESS
+    topk = call["topk"]
+    at = tuple(data.draw(st.integers(0, n - 1)) for n in topk.shape)
+    topk[at] = data.draw(st.one_of(st.integers(-2 ** 31, -1),
+                                   st.integers(int(topk.max()) + 1 + 64, 2 ** 31 - 1)))
+    note(f"topk{at} = {topk[at]}")
+    snapshot = _select_snapshot(call)
+    aclGetRecentErrMsg()
+    status = run(np.empty(size, np.uint8), size, executor)
+    message = aclGetRecentErrMsg()
+    assert status == ACLNN_ERR_PARAM_INVALID, (status, message)
+    assert f"topkIndices[{at[0]}, {at[1]}, {at[2]}]" in message, message
+    _assert_unchanged(snapshot)
 
 
 @given(select_mutations())
@@ -868,7 +928,7 @@ def cmp_mutations(draw):
     key = draw(st.sampled_from(list(CMP_ARRAYS[op]) + scalars))
     good = call[key]
     if key in ("atten_mask", "topk_mask"):
-        call[key] = _bad_mask(draw, key, good)
+        call[key] = _bad_mask(draw, key, good, call, CMP_OUTPUTS[op])
     elif isinstance(good, np.ndarray):
         call[key] = _bad_attention_array(
             draw, call, key, key in CMP_OUTPUTS[op],
@@ -877,7 +937,7 @@ def cmp_mutations(draw):
         call[key] = _bad_lengths(draw, key, good)
     else:
         value = draw(st.sampled_from({
-            "scale": ["1", None, [1.0], True],
+            "scale": HOSTILE_SCALES,
             "head_num": [0, call["head_num"] + 1, 1.0, None],
             "block": [0, 24, 80, 256, 32.0],
             "stride": [0, 8, 48, 16.0],
@@ -888,10 +948,17 @@ def cmp_mutations(draw):
     return call
 
 
-def _bad_mask(draw, key, good):
-    """An attention mask made invalid: a float dtype, too small, 1-D, or a list."""
-    how = draw(st.sampled_from(["dtype", "small", "ndim", "not-array"]))
+def _bad_mask(draw, key, good, call, outputs):
+    """An attention mask made invalid: a float dtype, too small, 1-D, a list, or (the
+    right contents) in the memory of one of ``outputs``."""
+    how = draw(st.sampled_from(["dtype", "small", "ndim", "not-array", "over-output"]))
     note(f"{key}: {how}")
+    if how == "over-output":
+        raw = call[draw(st.sampled_from(outputs))].reshape(-1).view(np.uint8)
+        assume(raw.size >= good.size)
+        bad = raw[:good.size].view(np.bool_).reshape(good.shape)
+        bad[...] = good
+        return bad
     return {"dtype": lambda: good.astype(np.float32),
             "small": lambda: good[..., :-1, :-1],
             "ndim": lambda: good.reshape(-1),
@@ -904,10 +971,12 @@ def _bad_attention_array(draw, call, key, output, axis_ok):
     None."""
     good = call[key]
     how = draw(st.sampled_from(["not-array", "ndim", "dtype", "shape"]
-                               + (["alias"] if output else ["none"])))
+                               + (["alias", "self-overlap"] if output else ["none", "masked"])))
     note(f"{key}: {how}")
     if how == "none":
         return None
+    if how in ("self-overlap", "masked"):
+        return _hostile_array(draw, good, how)
     if how == "not-array":
         return draw(NOT_ARRAYS)
     if how == "ndim":
@@ -1067,7 +1136,7 @@ def fusion_mutations(draw):
     key = draw(st.sampled_from(list(FUSION_ARRAYS[op]) + ["atten_mask"] + scalars))
     good = call[key]
     if key == "atten_mask":
-        call[key] = _bad_mask(draw, key, good)
+        call[key] = _bad_mask(draw, key, good, call, FUSION_OUTPUTS[op])
     elif isinstance(good, np.ndarray):
         stat = key in ("softmax_max", "softmax_sum")
         # the gradient reads one lane of the statistics; a key and value with more or
@@ -1081,7 +1150,7 @@ def fusion_mutations(draw):
         call[key] = _bad_lengths(draw, key, good or [4])
     else:
         value = draw(st.sampled_from({
-            "scale": ["1", None, [1.0], True],
+            "scale": HOSTILE_SCALES,
             "head_num": [0, -1, 1.0, None] + ([] if layout in ("BSH", "SBH")
                                               else [call["head_num"] + 1]),
             "layout": ["", "TNDX", "NSD", "BSHD", 3, None],

@@ -1,4 +1,5 @@
-"""Generated invalid calls (``fuzz_invalid_cases.py``), run in a child process.
+"""Generated invalid calls (``fuzz_invalid_cases.py``) and the hostile calls that
+once crashed (``hostile_cases.py``), run in a child process.
 
 A crash of the interpreter (a segfault from an out-of-bounds write, an abort) or a
 hang would otherwise take the test runner with it; here either is a failed test
@@ -18,7 +19,8 @@ def test_invalid_calls_in_a_child_process():
     # one process (-n 0), and the 150 cases per test these always ran: rejecting bad
     # input compiles little, so they cost seconds, unlike the valid problems
     command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-               "--hypothesis-show-statistics", os.path.join(HERE, "fuzz_invalid_cases.py")]
+               "--hypothesis-show-statistics", os.path.join(HERE, "fuzz_invalid_cases.py"),
+               os.path.join(HERE, "hostile_cases.py")]
     env = dict(os.environ)
     env.setdefault("NSA_NUMBA_FUZZ_EXAMPLES", "150")
     try:

@@ -192,7 +192,7 @@ OVERLAPS = [
      "input_grad overlaps weight_grad in memory"),
     ("grad", lambda a: dict(input_grad=np.lib.stride_tricks.as_strided(
         a["grad"], (T, N, D), (0,) + a["grad"].strides[1:], writeable=True)),
-     "input_grad overlaps grad in memory"),
+     "input_grad has elements that share memory"),        # (and overlaps grad)
 ]
 
 
