@@ -75,11 +75,17 @@ class CompressAttentionPlan(DensePlan):
     def summary(self):
         return f"{super().summary()} count={self.count}"
 
+    def _part_fields(self, b0, b1):
+        return {"sel_starts": self.sel_starts[b0:b1 + 1] - self.sel_starts[b0]}
+
     def forward_step(self, w, useful, ranges, blocks):
+        topk = self.arrays["topk"]
+        if self.cut is not None:
+            topk = self.clip(topk[None])[0]
         _launch(_attention.cmp_forward, useful, 4, self.rows("query"), self.q_starts,
                 self.kv_starts, self.chunk_starts, self.sel_starts, blocks, ranges, w["kt"],
                 w["vrow"], self.mask, self.geo, self.topk_mask, self.rows("attention_out"),
-                self.arrays["topk"], self.rows("softmax_max"), self.rows("softmax_sum"),
+                topk, self.rows("softmax_max"), self.rows("softmax_sum"),
                 w["scratch"], w["index"], self.G, self.row,
                 self.accumulator.type(self.scale), self.m, self.n)
 

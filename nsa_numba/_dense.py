@@ -13,7 +13,8 @@ the keys as rows and the values transposed), each row's visible range, one scrat
 row and one index row per thread, and for the gradient the owners' work.
 """
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -25,6 +26,10 @@ from ._select import AttentionPlan, _launch, _round16
 #: the roles whose arrays have the key heads N2 (the others have the query heads N1)
 KEY_ROLES = frozenset({"key", "value", "dk", "dv"})
 STAT_ROLES = frozenset({"softmax_max", "softmax_sum"})
+#: most bytes of staged keys and per-token tables a call holds at once: a call over
+#: more sequences than that runs in parts of whole sequences (a part's workspace is
+#: this or one sequence's, whichever is larger), one after the other
+PART_BYTES = 128 << 20
 
 
 def token_rows(a, layout, heads):
@@ -74,14 +79,11 @@ def chunks(kv_starts):
     C = _attention.CHUNK
     lengths = np.diff(kv_starts)
     per = -(-lengths // C)
-    firsts = [np.arange(n, dtype=np.int64) * C for n in per.tolist()]
-    row = np.concatenate([kv_starts[b] + f for b, f in enumerate(firsts)]
-                         + [np.zeros(0, np.int64)])
-    length = np.concatenate([np.minimum(C, lengths[b] - f) for b, f in enumerate(firsts)]
-                            + [np.zeros(0, np.int64)])
     starts = np.concatenate(([0], np.cumsum(per))).astype(np.int64)
-    return dict(chunk_starts=starts, chunk_row=row.astype(np.int64),
-                chunk_len=length.astype(np.int64))
+    seq = np.repeat(np.arange(lengths.size), per)           # each chunk's sequence
+    first = (np.arange(seq.size, dtype=np.int64) - starts[seq]) * C    # within it
+    return dict(chunk_starts=starts, chunk_row=(kv_starts[seq] + first).astype(np.int64),
+                chunk_len=np.minimum(C, lengths[seq] - first).astype(np.int64))
 
 
 def token_blocks(q_starts, tokens):
@@ -130,6 +132,9 @@ class DensePlan(Chunks, AttentionPlan):
     input_layout: str               # how the arrays are laid out (token_rows)
     arrays: dict
     pending: dict = field(default_factory=dict)
+    #: a part's sequences in the whole call's arrays (``part``): ``((t0, t1), (k0, k1))``
+    #: its query tokens and keys (TND), or its batch rows twice; None: the whole call
+    cut: tuple = None
 
     @property
     def grad(self):
@@ -156,12 +161,66 @@ class DensePlan(Chunks, AttentionPlan):
                 f"N2={self.N2} D={self.D} Dv={self.Dv}")
 
     def rows(self, role):
-        """``role``'s array as the kernels take it: storage dtype, ``[B, S, N, X]``."""
+        """``role``'s array as the kernels take it: storage dtype, ``[B, S, N, X]`` (a
+        part's sequences only)."""
         a = self.storage(role)
         if role in STAT_ROLES:
-            return stat_rows(a, self.input_layout)
-        heads = self.N2 if role in KEY_ROLES else self.N2 * self.G
-        return token_rows(a, self.input_layout, heads)
+            view = stat_rows(a, self.input_layout)
+        else:
+            view = token_rows(a, self.input_layout, self.N2 if role in KEY_ROLES
+                              else self.N2 * self.G)
+        return view if self.cut is None else self.clip(view, role in KEY_ROLES)
+
+    def clip(self, view, keys=False):
+        """A ``[B, S, ...]`` view of the whole call cut to this part's query tokens
+        (``keys``: its keys)."""
+        lo, hi = self.cut[keys]
+        return view[:, lo:hi] if self.input_layout == "TND" else view[lo:hi]
+
+    def _cost(self):
+        """Bytes of staged keys and per-token tables of each sequence."""
+        width = 2 * self.D + self.Dv if self.grad else self.D + self.Dv
+        chunks = np.diff(self.chunk_starts) * (self.N2 * _attention.CHUNK * width
+                                                * self.accumulator.itemsize)
+        return chunks + np.diff(self.q_starts) * (self.mask_heads * 32 + 16)
+
+    @functools.cached_property
+    def parts(self):
+        """The call as runs of whole sequences of at most ``PART_BYTES`` each (more
+        where one sequence takes more): ``[self]`` when it fits whole."""
+        if self.cut is not None:
+            return [self]
+        total = np.cumsum(self._cost())
+        if not total.size or total[-1] <= PART_BYTES:
+            return [self]
+        group = total // PART_BYTES
+        cuts = np.flatnonzero(np.diff(group)) + 1
+        bounds = [0, *cuts.tolist(), total.size]
+        return [self.part(b0, b1) for b0, b1 in zip(bounds[:-1], bounds[1:])]
+
+    def part(self, b0, b1):
+        """The plan of sequences ``b0 .. b1 - 1`` alone, over the same arrays."""
+        t0, t1 = int(self.q_starts[b0]), int(self.q_starts[b1])
+        k0, k1 = int(self.kv_starts[b0]), int(self.kv_starts[b1])
+        c0, c1 = int(self.chunk_starts[b0]), int(self.chunk_starts[b1])
+        cut = ((t0, t1), (k0, k1)) if self.input_layout == "TND" else ((b0, b1), (b0, b1))
+        return replace(self, T1=t1 - t0, q_starts=self.q_starts[b0:b1 + 1] - t0,
+                       kv_starts=self.kv_starts[b0:b1 + 1] - k0,
+                       chunk_starts=self.chunk_starts[b0:b1 + 1] - c0,
+                       chunk_row=self.chunk_row[c0:c1] - k0,
+                       chunk_len=self.chunk_len[c0:c1], geo=self.geo[b0:b1], cut=cut,
+                       **self._part_fields(b0, b1))
+
+    def _part_fields(self, b0, b1):
+        """A subclass's own per-sequence fields, cut to sequences ``b0 .. b1 - 1``."""
+        return {}
+
+    @property
+    def workspace_bytes(self):
+        parts = self.parts
+        if len(parts) == 1:
+            return AttentionPlan.workspace_bytes.fget(self)
+        return max(p.workspace_bytes for p in parts)
 
     def layout(self):
         """(name, elements, dtype) of each workspace region, in order."""
@@ -212,7 +271,19 @@ def run_dense(plan, workspace=None, threads=None):
 def dense_steps(plan, workspace=None, threads=None):
     """A planned call's launches in order, as ``(name, function of no arguments)``:
     "stage" and "ranges" (the rows' visible keys), then the forward's "forward", or
-    the gradient's "dq", "order" (the key owners by work) and "dk dv"."""
+    the gradient's "dq", "order" (the key owners by work) and "dk dv"; each part's
+    (``DensePlan.parts``) in turn, all in the one workspace."""
+    if plan.units == 0 and not plan.grad:
+        return []
+    parts = plan.parts
+    if len(parts) == 1:
+        return _part_steps(plan, workspace, threads)
+    if workspace is None:
+        workspace = np.empty(plan.workspace_bytes, np.uint8)
+    return [step for part in parts for step in _part_steps(part, workspace, threads)]
+
+
+def _part_steps(plan, workspace, threads):
     if plan.units == 0 and not plan.grad:
         return []
     w = plan.carve(workspace)
@@ -224,10 +295,13 @@ def dense_steps(plan, workspace=None, threads=None):
     ranges = w["ranges"].reshape(plan.T1, plan.mask_heads, 4)
     made = token_blocks(plan.q_starts, plan.tokens)
     blocks = w["blocks"][:made.size].reshape(-1, 2)
-    blocks[:] = made
-    steps = [("stage", lambda: _launch(_attention.dense_stage, useful, 1, plan.rows("key"),
-                                       plan.rows("value"), plan.chunk_row, plan.chunk_len,
-                                       *staged)),
+
+    def stage():            # (writes nothing before it runs: parts share the workspace)
+        blocks[:] = made
+        _launch(_attention.dense_stage, useful, 1, plan.rows("key"), plan.rows("value"),
+                plan.chunk_row, plan.chunk_len, *staged)
+
+    steps = [("stage", stage),
              ("ranges", lambda: _launch(_attention.dense_ranges, useful, 64, plan.mask,
                                         plan.q_starts, plan.kv_starts, plan.geo, plan.mstep,
                                         plan.zero_rows, ranges))]

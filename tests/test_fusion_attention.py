@@ -404,3 +404,53 @@ def test_reference_gradient_by_finite_differences():
             down = (ref.fusion_attention(q, k, v, 2, "BSND", **kw)[0] * dy).sum()
             x[idx] = old
             assert abs((up - down) / 2e-6 - g[idx]) < 1e-6
+
+
+def _dense_calls(rng):
+    """Every dense operator's outputs on a TND batch (a ``[T1, T2]`` mask, an empty and a
+    one-token sequence), a padded batch with per-batch masks and a band, and compressed
+    attention over three sequences: forward and gradient."""
+    dt = np.dtype(np.float16)
+    results = []
+    lens = [70, 0, 130, 1, 64, 200]
+    T, ends = sum(lens), np.cumsum(lens).tolist()
+    q, k = (rng.standard_normal((T, n, 32)).astype(dt) for n in (4, 2))
+    v = rng.standard_normal((T, 2, 16)).astype(dt)
+    kw = dict(atten_mask=rng.random((T, T)) < 0.3, sparse_mode=1, actual_seq_qlen=ends,
+              actual_seq_kvlen=ends, strict=False)
+    o, m, s = nsa_numba.fusion_attention(q, k, v, 4, "TND", scale=0.2, **kw)[:3]
+    results += [o, m, s, *nsa_numba.fusion_attention_grad(
+        q, k, v, np.ones_like(o), 4, "TND", softmax_max=m, softmax_sum=s, attention_in=o,
+        scale_value=0.2, **kw)[:3]]
+    B, S = 5, 40
+    q, k = (rng.standard_normal((B, n, S, 32)).astype(dt) for n in (4, 2))
+    v = rng.standard_normal((B, 2, S, 16)).astype(dt)
+    kw = dict(atten_mask=rng.random((B, 1, S, S)) < 0.3, pre_tockens=7, next_tockens=3)
+    o, m, s = nsa_numba.fusion_attention(q, k, v, 4, "BNSD", **kw)[:3]
+    results += [o, m, s, *nsa_numba.fusion_attention_grad(
+        q, k, v, np.ones_like(o), 4, "BNSD", softmax_max=m, softmax_sum=s, attention_in=o,
+        **kw)[:3]]
+    lengths = [200, 96, 150]
+    cmp = [(n - 32) // 16 + 1 for n in lengths]
+    q = rng.standard_normal((sum(lengths), 4, 32)).astype(dt)
+    k, v = (rng.standard_normal((sum(cmp), 2, d)).astype(dt) for d in (32, 16))
+    kw = dict(atten_mask=np.arange(max(cmp))[None, :] * 16 + 31 > np.arange(200)[:, None],
+              actual_seq_qlen=np.cumsum(lengths).tolist(),
+              actual_cmp_seq_kvlen=np.cumsum(cmp).tolist(), strict=False)
+    r = nsa_numba.nsa_compress_attention(
+        q, k, v, 0.25, 4, 32, 16, 64, 2,
+        actual_sel_seq_kvlen=np.cumsum([-(-c // 4) for c in cmp]).tolist(), **kw)
+    return results + [*r, *nsa_numba.nsa_compress_attention_grad(
+        np.ones_like(r[0]), q, k, v, r[0], r[2], r[3], 0.25, 4, **kw)]
+
+
+def test_a_call_in_parts_gives_the_whole_calls_bits(monkeypatch):
+    # a call over many sequences runs in parts of whole sequences (DensePlan.parts): one
+    # part per sequence changes no bit of any output, forward or gradient
+    from nsa_numba import _dense
+    whole = _dense_calls(np.random.default_rng(7))
+    monkeypatch.setattr(_dense, "PART_BYTES", 1)
+    parts = _dense_calls(np.random.default_rng(7))
+    assert len(whole) == len(parts) == 19
+    for i, (a, b) in enumerate(zip(whole, parts)):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), i

@@ -158,3 +158,28 @@ class FusionAttentionRates(SelectedAttentionRates):
     scaled_dot_product_attention, per case."""
     params = FUSION_PARAMS
     run = staticmethod(attention.run_fusion_case)
+
+
+class ManySequences:
+    """A batch of a million one-token sequences (``fusion_attention`` BSND, S = 1): the
+    plan is O(B) vectorised work and tables of about 100 bytes a sequence, and the call
+    runs in parts of whole sequences whose staged keys take at most
+    ``_dense.PART_BYTES``, so its memory does not grow with B."""
+    params = [[250_000, 1_000_000]]
+    param_names = ["sequences"]
+    timeout = 600
+
+    def setup(self, B):
+        from nsa_numba._fusion import fusion_rules
+        from nsa_numba._operators import FUSION_ATTENTION
+        self.q = np.zeros((B, 1, 2, 16), np.float16)
+        self.planner, self.rules = FUSION_ATTENTION.planner, fusion_rules("fusion_attention")
+        fusion_attention(self.q[:4], self.q[:4], self.q[:4], 2, "BSND")    # compiles
+
+    def time_plan(self, B):
+        q = self.q
+        self.planner(self.rules, q, q, q, 2, "BSND", None, None, None, 1.0, 1.0, 2 ** 31 - 1,
+                     2 ** 31 - 1, 0, None, None, None, 0, "", None, None, None)
+
+    def peakmem_call(self, B):
+        fusion_attention(self.q, self.q, self.q, 2, "BSND")
