@@ -17,6 +17,8 @@ holds about one buffer per output of a kind that is alive at once: a training lo
 that holds one step's gradient while the next step's is made keeps two gradient
 buffers where allocating afresh would hold one, and frees nothing to the system
 between steps (docs/design.md, "The output pool"). All buffers together stay within
+twice the largest request (``KEEP_LARGEST``: a step that makes many outputs, as an
+attention layer's does, pools the first of them and allocates the rest) and within
 the budget (``keep_outputs``; ``NSA_NUMBA_KEEP_OUTPUTS_MB`` sets it at import, 0
 turns the pool off), the least recently used free ones let go first to make room; an
 output that does not fit is allocated.
@@ -46,10 +48,16 @@ MIN_BYTES = 4 << 20
 #: a free buffer serves a request of at least 1 / FIT of its size: a small output
 #: never holds a large output's buffer, which would make the large one allocate
 FIT = 2
+#: the pool holds at most this many times the largest output it was asked for (and
+#: never more than the budget): what it keeps beyond allocating afresh, which a
+#: caller may drop at any moment, stays within two of the largest outputs however
+#: many outputs a step makes
+KEEP_LARGEST = 2
 
 _lock = threading.Lock()
 _buffers = []       # uint8 arrays, least recently handed out first
 _pooled_bytes = 0
+_largest = 0        # the largest request since the pool was last emptied
 
 
 def _refs(buffers, i):
@@ -82,16 +90,18 @@ def empty(shape, dtype):
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < MIN_BYTES or nbytes > _budget:
         return np.empty(shape, dtype)
-    global _pooled_bytes
+    global _pooled_bytes, _largest
     with _lock:
         i = _best_fit(nbytes)
         if i >= 0:
             buffer = _buffers.pop(i)
             _buffers.append(buffer)          # most recently handed out last
         else:
+            _largest = max(_largest, nbytes)
+            limit = min(_budget, KEEP_LARGEST * _largest)
             _drop_free(lambda size: size < nbytes)
-            _drop_free(lambda size: _pooled_bytes + nbytes > _budget)
-            if _pooled_bytes + nbytes > _budget:
+            _drop_free(lambda size: _pooled_bytes + nbytes > limit)
+            if _pooled_bytes + nbytes > limit:
                 return np.empty(shape, dtype)
             buffer = np.empty(nbytes, np.uint8)
             _buffers.append(buffer)
@@ -148,9 +158,9 @@ def stats():
 
 
 def _forget():
-    global _pooled_bytes
+    global _pooled_bytes, _largest
     _buffers.clear()
-    _pooled_bytes = 0
+    _pooled_bytes = _largest = 0
 
 
 def _after_fork():
