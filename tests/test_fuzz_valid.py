@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
+import attention_bounds as bounds
 import nsa_numba
 from nsa_numba import reference as ref
 from conftest import DTYPES, assert_forward_accurate, assert_grad_accurate
@@ -286,7 +287,7 @@ def test_more_generated_selected_attention_matches_reference(p):
 
 
 def check_select(p):
-    from test_select_attention import STAT_TOLERANCE, TOLERANCE, _close, gradient_floors
+    from test_select_attention import gradient_depth, select_references
     note(f"problem: {p}")
     rng = np.random.default_rng(p["seed"])
     N2, G, dtype = p["N2"], p["G"], p["dtype"]
@@ -316,16 +317,18 @@ def check_select(p):
     assert all(res[i] is outs[k] for i, k in enumerate(outs))
     exact = ref.select_attention(q, k, v, p["topk"], scale, N1, p["block"], p["count"],
                                  p["causal"], ends_q, ends_kv)
-    _close(res[0], exact[0], TOLERANCE[dtype.name], "attention_out")
-    for got, want, name in zip(res[1:], exact[1:], ("softmax_max", "softmax_sum")):
-        _close(np.asarray(got)[..., 0], want, STAT_TOLERANCE[dtype.name], name)
+    forward, gradient = select_references(p["topk"], N1, p["block"], p["count"], p["causal"],
+                                          ends_q, ends_kv)
+    keys = p["count"] * p["block"]
+    bounds.check_forward(res[0], exact[0], forward, q, k, v, scale, keys + p["D"] + 16)
+    bounds.check_statistics(np.asarray(res[1])[..., 0], np.asarray(res[2])[..., 0], exact[1],
+                            exact[2], forward, q, k, v, scale, keys, p["D"])
     grads = nsa_numba.nsa_select_attention_grad(gs, qs, ks, vs, *res, topk, scale, N1,
                                                 p["block"], p["count"], **kw)
     exact = ref.select_attention_grad(g, q, k, v, p["topk"], scale, N1, p["block"],
                                       p["count"], p["causal"], ends_q, ends_kv)
-    floors = gradient_floors(g, q, k, v, scale)
-    for got, want, name, floor in zip(grads, exact, ("dq", "dk", "dv"), floors):
-        _close(got, want, TOLERANCE[dtype.name], name, floor)
+    bounds.check_gradient(grads, exact, forward, gradient, g, q, k, v, res[0], scale,
+                          gradient_depth(q, k, v, keys))
 
 
 # -- compressed attention (forward and gradient) ---------------------------------------
@@ -344,13 +347,27 @@ def compress_attention_problems(draw):
     return dict(dtype=dtype, N2=N2, G=G, D=draw(st.integers(1, 40)),
                 Dv=draw(st.integers(1, 40)), stride=stride, block=n * stride,
                 select_block=m * stride, count=count, compressed=compressed,
-                blocks=blocks, queries=queries, masked=draw(st.booleans()),
-                forced=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 32 - 1)))
+                blocks=blocks, queries=queries,
+                masked=draw(st.sampled_from(["none", "random", "band", "leading"])),
+                band=draw(st.integers(1, 8)), forced=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 32 - 1)))
+
+
+def _compressed_mask(p, rng, rows, cols):
+    """None, random (40%), a sliding band (position s sees keys s // 2 - band .. s // 2:
+    the leading keys hidden from whole runs of rows), or the first keys hidden (a number
+    per row that grows with it, some rows hiding all)."""
+    s, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    return {"none": lambda: None,
+            "random": lambda: rng.random((rows, cols)) < 0.4,
+            "band": lambda: (c > s // 2) | (c < s // 2 - p["band"]),
+            "leading": lambda: c < (s * p["band"]) // 8}[p["masked"]]()
 
 
 @given(compress_attention_problems())
 def test_generated_compressed_attention_matches_reference(p):
-    from test_compress_attention import STAT_TOLERANCE, TOLERANCE, _close, gradient_floors
+    from test_compress_attention import compressed_gradient
+    from test_select_attention import gradient_depth
     note(f"problem: {p}")
     rng = np.random.default_rng(p["seed"])
     N1, dtype = p["N2"] * p["G"], p["dtype"]
@@ -358,7 +375,7 @@ def test_generated_compressed_attention_matches_reference(p):
     k = rng.standard_normal((sum(p["compressed"]), p["N2"], p["D"])).astype(dtype)
     v = rng.standard_normal((sum(p["compressed"]), p["N2"], p["Dv"])).astype(dtype)
     rows = max(p["queries"])
-    mask = rng.random((rows, max(p["compressed"]))) < 0.4 if p["masked"] else None
+    mask = _compressed_mask(p, rng, rows, max(p["compressed"]))
     forced = rng.random((rows, max(p["blocks"]))) < 0.2 if p["forced"] else None
     seqs = [np.cumsum(p[key]).tolist() for key in ("queries", "compressed", "blocks")]
     args = (q, k, v, 0.3, N1, p["block"], p["stride"], p["select_block"], p["count"])
@@ -368,9 +385,16 @@ def test_generated_compressed_attention_matches_reference(p):
                                            actual_sel_seq_kvlen=seqs[2], strict=False)
     out, topk, smax, ssum = got
     rout, rtopk, rmax, rsum, score = ref.compress_attention(*args, forced, mask, *seqs)
-    _close(out, rout, TOLERANCE[dtype.name], "attention_out")
-    _close(smax[..., 0], rmax, STAT_TOLERANCE[dtype.name], "softmax_max")
-    _close(ssum[..., 0], rsum, STAT_TOLERANCE[dtype.name], "softmax_sum")
+    lens = dict(actual_seq_qlen=seqs[0], actual_cmp_seq_kvlen=seqs[1])
+
+    def forward(q, k, v, scale):
+        r = ref.compress_attention(q, k, v, scale, *args[4:8], 1, None, mask, *seqs)
+        return r[0], r[2]
+
+    keys = max(p["compressed"])
+    bounds.check_forward(out, rout, forward, q, k, v, 0.3, keys + p["D"] + 16)
+    bounds.check_statistics(smax[..., 0], ssum[..., 0], rmax, rsum, forward, q, k, v, 0.3,
+                            keys, p["D"])
     for t, j, r in zip(*np.nonzero(topk != rtopk)):
         ours, theirs = score[t, j, topk[t, j, r]], score[t, j, rtopk[t, j, r]]
         assert abs(ours - theirs) <= 1e-5 * max(abs(theirs), 1.0), (t, j, r, ours, theirs)
@@ -380,9 +404,8 @@ def test_generated_compressed_attention_matches_reference(p):
                                                   atten_mask=mask, actual_seq_qlen=seqs[0],
                                                   actual_cmp_seq_kvlen=seqs[1], strict=False)
     exact = ref.attention_grad(g, q, k, v, 0.3, mask, seqs[0], seqs[1])
-    floors = gradient_floors(g, q, k, v, 0.3)
-    for name, got, want, floor in zip(("dq", "dk", "dv"), grads, exact, floors):
-        _close(got, want, TOLERANCE[dtype.name], name, floor)
+    bounds.check_gradient(grads, exact, forward, compressed_gradient(mask, lens), g, q, k, v,
+                          out, 0.3, gradient_depth(q, k, v, keys))
 
 
 # -- fusion attention (forward and gradient) -------------------------------------------
@@ -404,9 +427,9 @@ def fusion_problems(draw):
     if mode >= 2:
         mask = "triu"
     elif layout == "TND":
-        mask = draw(st.sampled_from(["none", "corner", "diagonal"]))
+        mask = draw(st.sampled_from(["none", "corner", "diagonal", "band"]))
     else:
-        mask = draw(st.sampled_from(["none", "2d", "11ss", "b1ss", "bnss"]))
+        mask = draw(st.sampled_from(["none", "2d", "11ss", "b1ss", "bnss", "band"]))
     return dict(layout=layout, mode=mode, N2=N2, G=G, B=B, sq=sq, skv=skv, mask=mask,
                 D=draw(st.integers(1, 40)), Dv=draw(st.integers(1, 40)),
                 dtype=np.dtype(draw(st.sampled_from(DTYPES))),
@@ -435,13 +458,21 @@ def _fusion_arrays(p, rng):
             "2d": lambda: rng.random((Sq, Skv)) < dens,
             "11ss": lambda: rng.random((1, 1, Sq, Skv)) < dens,
             "b1ss": lambda: rng.random((p["B"], 1, Sq, Skv)) < dens,
-            "bnss": lambda: rng.random((p["B"], N1, Sq, Skv)) < dens}[p["mask"]]()
+            "bnss": lambda: rng.random((p["B"], N1, Sq, Skv)) < dens,
+            # a sliding window as a mask: each row hides the keys before its band and
+            # after itself, so runs of rows hide whole leading chunks of keys
+            "band": lambda: _band(Sq, Skv, 1 + p["pre"] % 17)}[p["mask"]]()
     kw = dict(atten_mask=mask, scale=0.3, pre_tockens=p["pre"], next_tockens=p["nxt"],
               inner_precise=p["inner_precise"], sparse_mode=p["mode"])
     if p["layout"] == "TND":
         kw.update(actual_seq_qlen=np.cumsum(p["sq"]).tolist(),
                   actual_seq_kvlen=np.cumsum(p["skv"]).tolist())
     return q, k, v, N1, kw
+
+
+def _band(rows, cols, width):
+    i, j = np.arange(rows)[:, None] + max(cols - rows, 0), np.arange(cols)[None, :]
+    return (j > i) | (j <= i - width)
 
 
 @given(fusion_problems())

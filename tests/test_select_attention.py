@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import attention_bounds as bounds
 import nsa_numba
 from conftest import DTYPE_IDS, DTYPES
 from nsa_numba import reference as ref
@@ -63,20 +64,42 @@ def check(q, k, v, topk, scale, block, count, ends, causal, seed=0):
     stat = np.float64 if dtype == "float64" else np.float32
     assert smax.dtype == ssum.dtype == stat and smax.shape == (*q.shape[:2], 8)
     assert (smax == smax[..., :1]).all() and (ssum == ssum[..., :1]).all()
-    _close(out, rout, TOLERANCE[dtype], "attention_out")
-    _close(smax[..., 0], rmax, STAT_TOLERANCE[dtype], "softmax_max")
-    _close(ssum[..., 0], rsum, STAT_TOLERANCE[dtype], "softmax_sum")
+    forward, gradient = select_references(topk, N1, block, count, causal, ends, ends)
+    keys = count * block
+    bounds.check_forward(out, rout, forward, q, k, v, scale, keys + q.shape[2] + 16)
+    bounds.check_statistics(smax[..., 0], ssum[..., 0], rmax, rsum, forward, q, k, v, scale,
+                            keys, q.shape[2])
     g = np.random.default_rng(seed + 1).standard_normal(out.shape).astype(q.dtype)
     dq, dk, dv = nsa_numba.nsa_select_attention_grad(g, q, k, v, out, smax, ssum, topk, scale,
                                                      N1, block, count, **kw)
     exact = ref.select_attention_grad(g, q, k, v, topk, scale, N1, block, count, causal,
                                       ends, ends)
-    floors = gradient_floors(g, q, k, v, scale)
-    for name, got, want, like, floor in zip(("dq", "dk", "dv"), (dq, dk, dv), exact,
-                                            (q, k, v), floors):
+    for got, like in zip((dq, dk, dv), (q, k, v)):
         assert got.dtype == q.dtype and got.shape == like.shape
-        _close(got, want, TOLERANCE[dtype], name, floor)
+    bounds.check_gradient((dq, dk, dv), exact, forward, gradient, g, q, k, v, out, scale,
+                          gradient_depth(q, k, v, keys))
     return out, smax, ssum, dq, dk, dv
+
+
+def select_references(topk, N1, block, count, causal, ends_q, ends_kv):
+    """The float64 reference forward ``(out, softmax_max)`` and gradient of selected
+    attention as functions of ``(q, k, v, scale)`` and ``(g, q, k, v, scale)``, the
+    other arguments fixed (``attention_bounds`` calls them on absolute values)."""
+    def forward(q, k, v, scale):
+        return ref.select_attention(q, k, v, topk, scale, N1, block, count, causal, ends_q,
+                                    ends_kv)[:2]
+
+    def gradient(g, q, k, v, scale):
+        return ref.select_attention_grad(g, q, k, v, topk, scale, N1, block, count, causal,
+                                         ends_q, ends_kv)
+    return forward, gradient
+
+
+def gradient_depth(q, k, v, keys):
+    """The longest float32 rounding chain of a gradient: a key's sums over every query
+    row of the group, a row's over its keys, the dot products over D and Dv."""
+    group = q.shape[-2] // k.shape[-2] if q.ndim == k.ndim else 1
+    return q.shape[0] * group + keys + q.shape[-1] + v.shape[-1] + 16
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
