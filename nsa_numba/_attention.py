@@ -37,6 +37,8 @@ thread, indexed by Numba's thread id; nothing in a slot reaches a result except
 through those fixed-order sums.
 """
 
+import math
+
 import numpy as np
 from numba import get_thread_id, prange, types
 from numba.extending import overload
@@ -179,6 +181,58 @@ def _mm_scalar(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add):
             for k in range(nk):
                 acc = fma(w[wb + m * sm + k * sk], widen(b[rows[k] + e]), acc)
             out[o] = acc
+
+
+@jit
+def _mm_seen(w, wb, sm, sk, nk, rows, b, e0, e1, out, ob, so, add, gate):
+    """``_mm`` one lane at a time, leaving out the terms whose ``gate`` (at the weight's
+    index: the weight P, or P for a weight dS) is exactly 0: the same sums in the same
+    order where every value is finite (a sum that starts from +0 never holds -0, so a
+    zero term adds nothing to it), and a value that no weight reaches (a key a row does
+    not see, or a row that does not see the key, NaN or infinite) stays out."""
+    for m in range(4):
+        for e in range(e0, e1):
+            o = ob + m * so + e
+            acc = out[o] if add else out.dtype.type(0)
+            for k in range(nk):
+                i = wb + m * sm + k * sk
+                if gate[i] != 0:
+                    acc = fma(w[i], widen(b[rows[k] + e]), acc)
+            out[o] = acc
+
+
+@jit
+def _finite(a, o, n):
+    """Whether ``a[o:o + n]`` holds no NaN and no infinity."""
+    for i in range(o, o + n):
+        if not math.isfinite(a[i]):
+            return False
+    return True
+
+
+@jit
+def _weighted_values(s, lds, n, rows, vrow, Dv, o, R, R4):
+    """``o`` = the weights ``s`` (``R4`` rows of ``lds``, ``n`` keys) times the values at
+    ``rows``, four rows at a time; where a row's result is not finite, every row again
+    with the keys of weight 0 left out (``_mm_seen``), so that a NaN or infinity in a
+    value reaches exactly the rows that see it, whatever the unit's other rows see."""
+    for g in range(0, R4, 4):
+        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    if not _finite(o, 0, R * Dv):
+        for g in range(0, R4, 4):
+            _mm_seen(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False, s)
+
+
+@jit
+def _query_grads(s, dp, lds, n, rows, krow, D, acc, R, R4):
+    """``acc`` = ``dp`` (scale dS, ``R4`` rows of ``lds``, ``n`` keys) times the keys at
+    ``rows``; where a row's result is not finite, every row again with the keys of
+    weight P = 0 left out (``_weighted_values``' rule)."""
+    for g in range(0, R4, 4):
+        _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
+    if not _finite(acc, 0, R * D):
+        for g in range(0, R4, 4):
+            _mm_seen(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False, s)
 
 
 @overload(_mm, jit_options=OVERLOAD_OPTIONS)
@@ -478,10 +532,25 @@ def _ds_row(s, dp, o, n, top, total, delta, scale, keep):
     raise NotImplementedError
 
 
+@jit
+def _ds_unseen(s, dp, o, n, top, total, delta, scale, keep):
+    """``_ds_row`` for a row whose statistics are not finite (it sees a NaN or an
+    infinity): the keys it does not see (masked scores) keep P = 0, so that nothing of
+    the row reaches their gradients (``_mm_seen``)."""
+    for i in range(n):
+        x = s[o + i]
+        p = s.dtype.type(0) if x == MASKED else _exp(x - top) / total
+        s[o + i] = p
+        dp[o + i] = scale * (p * (dp[o + i] - delta)) if i < keep else 0
+
+
 @overload(_ds_row, jit_options=OVERLOAD_OPTIONS)
 def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
     if s.dtype == types.float64:
         def scalar(s, dp, o, n, top, total, delta, scale, keep):
+            if not (math.isfinite(top) and math.isfinite(total)):
+                _ds_unseen(s, dp, o, n, top, total, delta, scale, keep)
+                return
             for i in range(n):
                 p = np.exp(s[o + i] - top) / total
                 s[o + i] = p
@@ -491,6 +560,9 @@ def _ds_row_typed(s, dp, o, n, top, total, delta, scale, keep):
     def lanes(s, dp, o, n, top, total, delta, scale, keep):
         check_lanes(s, o, n)
         check_lanes(dp, o, n)
+        if not (math.isfinite(top) and math.isfinite(total)):
+            _ds_unseen(s, dp, o, n, top, total, delta, scale, keep)
+            return
         full = n - n % 16
         for i in range(0, full, 16):
             p = ldiv(lexp(lsub(lload(s, o + i), top)), total)
@@ -653,8 +725,7 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
         gb = blk_starts[b] + topk[t, j, vis[v]]
         for r in range(l):
             rows[v * l + r] = ((gb * N2 + j) * l + r) * Dv
-    for g in range(0, G4, 4):
-        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+    _weighted_values(s, lds, n, rows, vrow, Dv, o, G, G4)
     for g in range(G):
         _divide(o, g * Dv, Dv, ssum[t, j * G + g, 0])
         _narrow_row(o, g * Dv, out, t, j * G + g)
@@ -775,8 +846,7 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
         u = (blk_starts[b] + topk[t, j, vis[v]]) * N2 + j
         for r in range(l):
             rows[v * l + r] = (u * l + r) * D
-    for g in range(0, G4, 4):
-        _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
+    _query_grads(s, dp, lds, n, rows, krow, D, acc, G, G4)
     for g in range(G):
         _narrow_row(acc, g * D, dq, t, j * G + g)
 
@@ -875,7 +945,10 @@ def _masked_pair(grad, smax, ssum, t, h0, G, G4, D, o, qs, dos, s, dp, lds, widt
 
 @jit
 def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
-                offsets, entries, kt, vt, dk, dv, f, rows, G, l, lp, scale, causal):
+                offsets, entries, kt, vt, dk, dv, f, rows, G, l, lp, scale, causal, seen):
+    """dk and dv of key block ``u // N2``, KV head ``u % N2``; False, writing nothing,
+    where a sum is not finite and ``seen`` is not set (the caller then asks again with
+    it: the terms of rows that do not see a key left out)."""
     N2, count = topk.shape[1], topk.shape[2]
     D, Dv = q.shape[2], grad.shape[2]
     gb, j = u // N2, u % N2
@@ -904,31 +977,40 @@ def _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, blo
                       NO_MASK, 0, 0, 0, 0, l, False)
         n += 1
         if n == batch:
-            _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
+            _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb, seen)
             n = 0
     if n:
-        _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb)
+        _owner_sums(s, dp, qs, dos, n * G4, lds, 0, l4, D, Dv, rows, dkb, dvb, seen)
+    if not seen and not (_finite(dkb, 0, l * D) and _finite(dvb, 0, l * Dv)):
+        return False
     row0 = block_row[gb]
     for r in range(l):
         _narrow_row(dkb, r * D, dk, row0 + r, j)
         _narrow_row(dvb, r * Dv, dv, row0 + r, j)
+    return True
 
 
 @jit
-def _owner_sums(s, dp, qs, dos, heads, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb):
+def _owner_sums(s, dp, qs, dos, heads, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb, seen):
     """A batch's terms added to the owner's sums for its keys ``r_lo <= r < r_hi``
     (multiples of 4), four keys at a time, over its query heads in order (pairs in
     entry order, heads in order within a pair: the order one pair at a time gives):
     ``dvb[r] += sum P[h, r] dO[h]``, ``dkb[r] += sum (scale dS)[h, r] q[h]`` (heads
-    past G are zero rows)."""
+    past G are zero rows); ``seen``: the terms of P = 0 left out (``_mm_seen``)."""
     for h in range(heads):
         rows[h] = h * Dv
     for r0 in range(r_lo, r_hi, 4):
-        _mm(s, r0, 1, lds, heads, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
+        if seen:
+            _mm_seen(s, r0, 1, lds, heads, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True, s)
+        else:
+            _mm(s, r0, 1, lds, heads, rows, dos, 0, Dv, dvb, r0 * Dv, Dv, True)
     for h in range(heads):
         rows[h] = h * D
     for r0 in range(r_lo, r_hi, 4):
-        _mm(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True)
+        if seen:
+            _mm_seen(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True, s)
+        else:
+            _mm(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True)
 
 
 @jit_parallel
@@ -947,9 +1029,12 @@ def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, b
                     dv[r, j, e] = narrow(0.0, dv)
     for unit in prange(order.size):
         slot = get_thread_id()
-        _owner_unit(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
-                    block_row, offsets, entries, kt, vt, dk, dv, scratch[slot], index[slot],
-                    G, l, lp, scale, causal)
+        u = order[np.int64(unit)]
+        for seen in (False, True):
+            if _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
+                           block_row, offsets, entries, kt, vt, dk, dv, scratch[slot],
+                           index[slot], G, l, lp, scale, causal, seen):
+                break
 
 
 # -- dense attention: every key of a sequence, masked --------------------------------
@@ -1124,8 +1209,7 @@ def _attend(t0, nt, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, m
             _set_stats(smax, ssum, t, h0 + g, top, total)
     if span:
         _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
-        for g in range(0, R4, 4):
-            _mm(s, g * lds, lds, 1, span, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
+        _weighted_values(s, lds, span, rows, vrow, Dv, o, R, R4)
     for m in range(nt):
         for g in range(Gu):
             t, h = t0 + m, h0 + g
@@ -1346,8 +1430,7 @@ def _dense_dq_unit(t0, nt, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
             _ds_row(s, dp, at, span, stats[3 * i], stats[3 * i + 1], stats[3 * i + 2], scale,
                     span)
     _chunk_rows(rows, chunk_starts[b], span, first, N2, j, D)
-    for g in range(0, R4, 4):
-        _mm(dp, g * lds, lds, 1, span, rows, krow, 0, D, acc, g * D, D, False)
+    _query_grads(s, dp, lds, span, rows, krow, D, acc, R, R4)
     for m in range(nt):
         if ranges[t0 + m, r, 2] == SEES:
             for g in range(Gu):
@@ -1374,10 +1457,11 @@ def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_start
 
 @jit
 def _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                 kt, vt, mask, geo, mstep, dk, dv, f, rows, G, Gu, scale):
+                 kt, vt, mask, geo, mstep, dk, dv, f, rows, G, Gu, scale, seen):
     """dk and dv of chunk ``w // N2``'s keys for KV head ``w % N2``: the terms of every
     query row of its sequence whose range meets the chunk, in token order, the group's
-    units in head order within a token."""
+    units in head order within a token. False, writing nothing, where a sum is not
+    finite and ``seen`` is not set (as ``_owner_unit``)."""
     N2 = dk.shape[-2]
     D, Dv = q.shape[-1], grad.shape[-1]
     gc, j = w // N2, w % N2
@@ -1422,14 +1506,18 @@ def _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_sta
             r_lo, r_hi = min(r_lo, e0), max(r_hi, e1)
             n += 1
             if n == batch:
-                _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
+                _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb,
+                            seen)
                 n, r_lo, r_hi = 0, CHUNK, 0
     if n:
-        _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb)
+        _owner_sums(s, dp, qs, dos, n * G4, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb, seen)
+    if not seen and not (_finite(dkb, 0, valid * D) and _finite(dvb, 0, valid * Dv)):
+        return False
     row0 = kv_starts[b] + first
     for k in range(valid):
         _narrow_row(dkb, k * D, dk, row0 + k, j)
         _narrow_row(dvb, k * Dv, dv, row0 + k, j)
+    return True
 
 
 @jit_parallel
@@ -1439,9 +1527,12 @@ def dense_grad_dkdv(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_sta
     head (in ``order``), each the owner of its rows."""
     for unit in prange(order.size):
         slot = get_thread_id()
-        _dense_owner(order[np.int64(unit)], q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
-                     chunk_starts, ranges, kt, vt, mask, geo, mstep, dk, dv, scratch[slot],
-                     index[slot], G, Gu, scale)
+        w = order[np.int64(unit)]
+        for seen in (False, True):
+            if _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
+                            chunk_starts, ranges, kt, vt, mask, geo, mstep, dk, dv,
+                            scratch[slot], index[slot], G, Gu, scale, seen):
+                break
 
 
 @jit

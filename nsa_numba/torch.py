@@ -405,6 +405,17 @@ def _seq_arguments(op, actual_seq_len):
     return _seqlens.as_int_vector(op, "actual_seq_len", actual_seq_len), None
 
 
+def _real(op, name, value):
+    """``value`` as a float, or NsaError; under torch.compile (where it may be a symbolic
+    float) only its type is checked here, its value by the operator when it runs."""
+    if torch.compiler.is_compiling():
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat)):
+            raise invalid(op, f"{name} must be a real number, got {value!r} "
+                              f"({type(value).__name__})")
+        return value
+    return _seqlens.as_real(op, name, value)
+
+
 def _require_tensors(op, **named):
     """NsaError for an argument that is not a tensor (a NumPy array, a list...): the
     torch functions take tensors, the NumPy API (``nsa_numba.nsa_compress``...) arrays;
@@ -755,7 +766,7 @@ def _select_arguments(op, tensors, topk_indices, scale_value, head_num, block, c
     if atten_mask is not None and not isinstance(atten_mask, torch.Tensor):
         raise invalid(op, f"atten_mask must be None or a tensor (only whether it is given "
                           f"matters), got {type(atten_mask).__name__}")
-    return (topk_indices, _seqlens.as_real(op, "scale_value", scale_value),
+    return (topk_indices, _real(op, "scale_value", scale_value),
             _check_int(op, "head_num", head_num),
             _check_int(op, "select_block_size", block),
             _check_int(op, "select_block_count", count), atten_mask is not None,
@@ -906,7 +917,7 @@ def npu_nsa_compress_attention(query, key, value, scale_value, head_num, compres
     for name, mask in (("topk_mask", topk_mask), ("atten_mask", atten_mask)):
         if mask is not None:
             _mask_numpy(op, name, mask)
-    scale_value = _seqlens.as_real(op, "scale_value", scale_value)
+    scale_value = _real(op, "scale_value", scale_value)
     ints = [_check_int(op, name, v) for name, v in (
         ("head_num", head_num), ("compress_block_size", compress_block_size),
         ("compress_stride", compress_stride), ("select_block_size", select_block_size),
@@ -1062,7 +1073,7 @@ def _fusion_arguments(op, tensors, head_num, input_layout, pse, padding_mask, at
     for name, value in (("pse", pse), ("padding_mask", padding_mask), ("prefix", prefix)):
         if value is not None:
             raise NotImplementedError(f"{op}: {name} is not supported (it must be None)")
-    scale, keep_prob = (_seqlens.as_real(op, name, value) for name, value in (
+    scale, keep_prob = (_real(op, name, value) for name, value in (
         (scale_name, scale), ("keep_prob", keep_prob)))
     if 0 < keep_prob < 1:
         raise NotImplementedError(f"{op}: keep_prob < 1 (dropout) is not supported, got "

@@ -101,6 +101,21 @@ def test_ties_go_to_the_lower_block():
             assert a < b
 
 
+@pytest.mark.parametrize("hidden", [16, 32, 40])
+def test_a_mask_that_hides_the_leading_keys_of_whole_units(hidden):
+    # every row of a unit of 16 tokens hides the compressed keys before ``hidden``, so
+    # the keys its rows see start past a block edge: the block just before it still
+    # gets the weight of key ``hidden`` through the window (w_0 = 1), and the top-k
+    # must be the reference's row for row (ties within float32 sums aside)
+    q, k, v, seqs, sq, sc, _ = problem(np.float32, q_lengths=(1000,), N1=8, N2=2, seed=7)
+    mask = causal_mask(sq, sc) | (np.arange(sc)[None, :] < hidden)
+    (_, topk, _, _), (_, rtopk, _, _, score) = check(q, k, v, seqs, 6, atten_mask=mask)
+    seeing = ~mask.all(axis=1)
+    assert seeing.sum() > 100
+    agree = (topk == rtopk).all(axis=(1, 2))
+    assert agree[seeing].mean() > 0.95, np.flatnonzero(~agree)[:10]
+
+
 def test_strict_paper_shapes():
     # D 192, Dv 128, l = 32, d = 16, l' = 64, G = 4: the NPU's limits hold
     q, k, v, seqs, sq, sc, _ = problem(np.dtype("float16"), q_lengths=(160, 128), N1=8,
