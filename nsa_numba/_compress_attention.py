@@ -180,7 +180,10 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
                           f"have one value per sequence each, got {q_starts.size - 1}, "
                           f"{kv_starts.size - 1} and {sel_starts.size - 1}")
     queries, sel = np.diff(q_starts), np.diff(sel_starts)
-    for b in range(queries.size):
+    broken = (sel != blocks) | ((queries > 0) & (count > sel))
+    if rules.strict:
+        broken |= compressed > MAX_COMPRESSED
+    for b in np.flatnonzero(broken)[:1].tolist():       # the first sequence that breaks one
         if sel[b] != blocks[b]:
             raise invalid(op, f"{names['seq_sel']}: sequence {b} has {compressed[b]} "
                               f"compressed tokens, so ceil({compressed[b]} / {m}) = "
@@ -242,7 +245,7 @@ def plan_compress_attention_grad(rules, grad, query, key, value, attention_out, 
                 dtype)
     q_starts, kv_starts = paired_starts(rules, seq_q, seq_kv, T1, Tc)
     queries, compressed = np.diff(q_starts), np.diff(kv_starts)
-    for b in range(queries.size):
+    for b in np.flatnonzero((queries > 0) & (compressed == 0))[:1].tolist():
         if queries[b] and not compressed[b]:
             raise invalid(op, f"sequence {b} has {queries[b]} queries and no compressed "
                               f"keys ({names['seq_kv']}): its rows would attend to nothing")

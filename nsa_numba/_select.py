@@ -434,9 +434,8 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
                       GRAD_DIMS if grad else FORWARD_DIMS, grad)
     kv_blocks = _check_indices(rules, topk, q_starts, kv_starts, block)
     blk_starts = np.concatenate(([0], np.cumsum(kv_blocks)))
-    block_row = np.concatenate([kv_starts[b] + block * np.arange(n, dtype=np.int64)
-                                for b, n in enumerate(kv_blocks.tolist())]
-                               + [np.zeros(0, np.int64)])
+    seq = np.repeat(np.arange(kv_blocks.size), kv_blocks)       # each block's sequence
+    block_row = kv_starts[seq] + block * (np.arange(seq.size) - blk_starts[seq])
     tails = np.stack([kv_starts[:-1] + block * kv_blocks, kv_starts[1:]], axis=1)
     tails = tails[tails[:, 0] < tails[:, 1]]
     fields = dict(dtype=dtype, T1=T1, N2=N2, G=N1 // N2, D=D, Dv=Dv, block=block,
