@@ -61,14 +61,20 @@ BUGS = [
     Bug("dense dk/dv owner: the last key of a chunk not written",
         "nsa_numba/_attention.py", "    for k in range(valid):\n",
         "    for k in range(valid - 1):\n"),
-    Bug("dense dk/dv owner: batches of rows cut by thread",
+    Bug("dense dk/dv owner: rows summed in reverse on the second thread",
         "nsa_numba/_attention.py",
-        "    lds = CHUNK + KEY_ALIGN\n    batch = owner_batch(Gu)",
-        "    lds = CHUNK + KEY_ALIGN\n    batch = owner_batch(Gu) if get_thread_id() == 0 else 1"),
-    Bug("selected dk/dv owner: batches of rows cut by thread",
+        "    for t in range(q_starts[b], q_starts[b + 1]):\n",
+        "    t0, t1, step = q_starts[b], q_starts[b + 1], 1\n"
+        "    if get_thread_id() == 1:\n"
+        "        t0, t1, step = q_starts[b + 1] - 1, q_starts[b] - 1, -1\n"
+        "    for t in range(t0, t1, step):\n"),
+    Bug("selected dk/dv owner: entries summed in reverse on the second thread",
         "nsa_numba/_attention.py",
-        "    lds = lp + KEY_ALIGN\n    batch = owner_batch(G)\n",
-        "    lds = lp + KEY_ALIGN\n    batch = owner_batch(G) if get_thread_id() == 0 else 1\n"),
+        "    for e in range(offsets[u], offsets[u + 1]):\n",
+        "    e0, e1, step = offsets[u], offsets[u + 1], 1\n"
+        "    if get_thread_id() == 1:\n"
+        "        e0, e1, step = offsets[u + 1] - 1, offsets[u] - 1, -1\n"
+        "    for e in range(e0, e1, step):\n"),
     Bug("selected attention: the causal mask hides the query's own block",
         "nsa_numba/_attention.py", "        if causal and idx > diag:",
         "        if causal and idx >= diag:"),
