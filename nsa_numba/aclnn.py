@@ -358,7 +358,8 @@ def _run(op, kind, workspace, workspace_size, executor, stream):
                 try:
                     plan = _pipeline.plan(operator, rules, args)
                 except NsaError as err:
-                    raise NsaError(f"{op}: checked again at this run: {err}",
+                    why = str(err).removeprefix(f"{rules.op}: ")
+                    raise NsaError(f"{op}: checked again at this run: {why}",
                                    err.status) from None
                 if plan.workspace_bytes > executor.plan.workspace_bytes:
                     raise AssertionError("a plan's workspace grew with the index contents")
