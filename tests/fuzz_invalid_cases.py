@@ -824,6 +824,28 @@ def _select_phase_one(call):
     return status, size, executor, run
 
 
+@given(valid_select_calls(), st.booleans())
+def test_a_workspace_over_the_indices_is_refused(call, at_start):
+    """The indices given to phase one live inside the workspace given to phase two (at
+    its start or its end): the run fails and writes nothing."""
+    status, size, _, _ = _select_phase_one(call)
+    assert status == ACLNN_SUCCESS, aclGetRecentErrMsg()
+    good = call["topk"]
+    buffer = np.zeros(size + good.nbytes + 64, np.uint8)
+    start = 0 if at_start else buffer.size - good.nbytes
+    inside = buffer[start:start + good.nbytes].view(np.int32).reshape(good.shape)
+    inside[...] = good
+    call["topk"] = inside
+    status, size, executor, run = _select_phase_one(call)
+    assert status == ACLNN_SUCCESS, aclGetRecentErrMsg()
+    snapshot = _select_snapshot(call)
+    aclGetRecentErrMsg()
+    status = run(buffer, buffer.size, executor)
+    message = aclGetRecentErrMsg()
+    assert status == ACLNN_ERR_PARAM_INVALID and "topkIndices" in message, (status, message)
+    _assert_unchanged(snapshot)
+
+
 @given(valid_select_calls(), st.booleans(), st.data())
 def test_indices_broken_between_the_aclnn_phases_are_refused(call, repeated, data):
     """Phase two checks the indices it reads again: broken after phase one, or between
