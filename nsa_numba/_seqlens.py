@@ -61,8 +61,9 @@ def as_real(op, label, value):
     try:
         result = float(value)
     except OverflowError:
-        raise invalid(op, f"{label} must be a finite real number, got an integer of "
-                          f"{len(str(abs(int(value))))} digits, beyond float64") from None
+        bits = abs(int(value)).bit_length()         # (str() of it may be refused)
+        raise invalid(op, f"{label} must be a finite real number, got a number of "
+                          f"{bits} bits, beyond float64") from None
     if not math.isfinite(result):
         raise invalid(op, f"{label} must be a finite real number, got {value!r}")
     return result
