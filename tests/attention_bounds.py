@@ -64,6 +64,13 @@ def within(result, exact, bound, dtype, what):
                              f"{excess[at]:.3g} ulp of {np.dtype(dtype).name}")
 
 
+def largest_scores(forward, q, k, v, scale):
+    """``M`` per row: the largest ``|scale| sum_d |q_d| |k_d|`` over the keys the row
+    sees (0 for a row that sees none), from the reference's softmax_max."""
+    a = np.abs
+    return np.maximum(forward(a(q), a(k), a(v), abs(scale))[1], 0)
+
+
 class Rows:
     """How a layout's per-row values (the statistics' ``[T1, N1]`` for TND, ``[B, N1,
     Sq]`` otherwise) sit in its arrays of a given head width."""
@@ -74,14 +81,13 @@ class Rows:
     def spread(self, stat, width):
         """``stat`` over every element of the rows of an array of head width ``width``."""
         s = np.asarray(stat, np.float64)
-        if self.layout == "TND":
-            return np.repeat(s[..., None], width, -1)
-        if self.layout == "BNSD":
-            return np.repeat(s[..., None], width, -1)
-        rows = s.transpose(0, 2, 1) if self.layout in ("BSND", "BSH") else s.transpose(2, 0, 1)
-        if self.layout in ("BSND",):
-            return np.repeat(rows[..., None], width, -1)
-        return np.repeat(rows, width, -1)                   # BSH, SBH: heads side by side
+        if self.layout in ("BSND", "BSH"):
+            s = s.transpose(0, 2, 1)
+        elif self.layout == "SBH":
+            s = s.transpose(2, 0, 1)
+        if self.layout in ("BSH", "SBH"):               # heads side by side
+            return np.repeat(s, width, -1)
+        return np.repeat(s[..., None], width, -1)
 
     def sums(self, x):
         """The sum over each row's elements of an array of this layout."""
@@ -96,30 +102,33 @@ class Rows:
 
 def check_forward(out, exact, forward, q, k, v, scale, depth, rows=Rows()):
     """``out`` within its per-element bound. ``forward(q, k, v, scale)`` is the
-    reference on the call's other arguments: ``(out, softmax_max)`` in float64."""
+    reference on the call's other arguments: ``(out, softmax_max)`` in float64.
+    Returns ``M`` (``largest_scores``) for the other checks of the same call."""
     dtype = np.dtype(out.dtype)
     acc = np.float64 if dtype == np.float64 else np.float32
-    a = np.abs
-    weighted = forward(q, k, a(v), scale)[0]                       # sum_k P_k |v_k|
-    top = np.maximum(forward(a(q), a(k), a(v), abs(scale))[1], 0)   # M
+    weighted = forward(q, k, np.abs(v), scale)[0]                   # sum_k P_k |v_k|
+    top = largest_scores(forward, q, k, v, scale)                    # M
     width = np.asarray(v).shape[-1] if rows.layout not in ("BSH", "SBH") else \
         np.asarray(out).shape[-1] // rows.heads
     bound = gamma(depth, acc) * weighted * (1 + 2 * rows.spread(top, width))
     within(out, exact, bound, dtype, "attention_out")
+    return top
 
 
 def check_gradient(grads, exact, forward, gradient, g, q, k, v, out, scale, depth,
-                   rows=Rows(), key_rows=None):
+                   rows=Rows(), key_rows=None, top=None):
     """dq, dk, dv within their per-element bounds. ``gradient(g, q, k, v, scale)`` is
     the reference gradient on the call's other arguments; ``out`` the forward output
     the gradient was given (as rounded); ``key_rows`` the layout of the key arrays
-    (heads N2), ``rows`` that of the query arrays (heads N1)."""
+    (heads N2), ``rows`` that of the query arrays (heads N1); ``top``: ``M`` where the
+    caller has it."""
     key_rows = key_rows or rows
     dtype = np.dtype(q.dtype)
     acc = np.float64 if dtype == np.float64 else np.float32
     gm = gamma(depth, acc)
     a = np.abs
-    top = np.maximum(forward(a(q), a(k), a(v), abs(scale))[1], 0)                  # M
+    if top is None:
+        top = largest_scores(forward, q, k, v, scale)                               # M
     values = np.maximum(forward(a(g), a(v), a(v), 1.0)[1], 0)                       # V
     delta = unit_roundoff(dtype) * rows.sums(a(np.asarray(g, np.float64))
                                              * a(np.asarray(out, np.float64)))      # E
@@ -139,16 +148,18 @@ def check_gradient(grads, exact, forward, gradient, g, q, k, v, out, scale, dept
         within(got, want, bound, dtype, name)
 
 
-def check_statistics(smax, ssum, exact_max, exact_sum, forward, q, k, v, scale, keys, D):
+def check_statistics(smax, ssum, exact_max, exact_sum, forward, q, k, v, scale, keys, D,
+                     top=None):
     """softmax_max and softmax_sum (one lane of the operator's ``[..., 8]``) row by row.
     A row that sees keys: the max within ``gamma_(D+4) M``, the sum within
     ``(gamma_(keys+8) + 2 gamma_(D+4) M)`` of itself, each plus one ulp of the
     statistics' dtype; a row that sees none: exactly the reference's values (the
     masked score, the count or FLT_MAX). Rows are compared one by one, so a row
-    whose max is -FLT_MAX does not set the scale of the others. ``D``: the head dim."""
+    whose max is -FLT_MAX does not set the scale of the others. ``D``: the head dim;
+    ``top``: ``M`` where the caller has it."""
     stat = np.dtype(smax.dtype)
-    a = np.abs
-    top = np.maximum(forward(a(q), a(k), a(v), abs(scale))[1], 0)
+    if top is None:
+        top = largest_scores(forward, q, k, v, scale)
     exact_max = np.asarray(exact_max, np.float64)
     exact_sum = np.asarray(exact_sum, np.float64)
     sees = exact_max > float(np.finfo(np.float32).min)

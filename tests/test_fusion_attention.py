@@ -13,7 +13,6 @@ import attention_bounds as bounds
 import nsa_numba
 from nsa_numba import NsaError
 from nsa_numba import reference as ref
-from test_select_attention import STAT_TOLERANCE, TOLERANCE, _close
 
 TRIU = np.triu(np.ones((2048, 2048), bool), 1)
 LAYOUTS = ["TND", "BSND", "BNSD", "BSH", "SBH"]
@@ -88,7 +87,6 @@ def problem(layout, dtype, B=2, Sq=70, Skv=90, N1=4, N2=2, D=32, Dv=16, seed=0):
 
 def run(q, k, v, layout, N1, seed=1, **kw):
     """Forward and gradient, each against the reference; returns both."""
-    dtype = q.dtype.name
     fwd = nsa_numba.fusion_attention(q, k, v, N1, layout, strict=False, **kw)
     out, smax, ssum, softmax_out, seed_out, offset, numels = fwd
     rout, rmax, rsum = ref.fusion_attention(q, k, v, N1, layout, **kw)
@@ -97,9 +95,9 @@ def run(q, k, v, layout, N1, seed=1, **kw):
     assert (smax == smax[..., :1]).all() and (ssum == ssum[..., :1]).all()
     forward, gradient, rows, key_rows, D, keys = fusion_references(q, k, v, layout, N1, kw)
     scale = kw.get("scale", 1.0)
-    bounds.check_forward(out, rout, forward, q, k, v, scale, keys + D + 16, rows)
+    top = bounds.check_forward(out, rout, forward, q, k, v, scale, keys + D + 16, rows)
     bounds.check_statistics(smax[..., 0], ssum[..., 0], rmax, rsum, forward, q, k, v, scale,
-                            keys, D)
+                            keys, D, top=top)
     dy = np.random.default_rng(seed).standard_normal(out.shape).astype(q.dtype)
     scale = kw.pop("scale", 1.0)
     args = dict(softmax_max=smax, softmax_sum=ssum, attention_in=out, scale_value=scale,
@@ -111,7 +109,7 @@ def run(q, k, v, layout, N1, seed=1, **kw):
         assert got.dtype == q.dtype and got.shape == like.shape, name
     rows_per_key = q.size // D // key_rows.heads          # every query row of a group
     bounds.check_gradient(grads[:3], exact, forward, gradient, dy, q, k, v, out, scale,
-                          rows_per_key + keys + 2 * D + 16, rows, key_rows)
+                          rows_per_key + keys + 2 * D + 16, rows, key_rows, top=top)
     return fwd, grads
 
 

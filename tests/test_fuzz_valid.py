@@ -320,15 +320,15 @@ def check_select(p):
     forward, gradient = select_references(p["topk"], N1, p["block"], p["count"], p["causal"],
                                           ends_q, ends_kv)
     keys = p["count"] * p["block"]
-    bounds.check_forward(res[0], exact[0], forward, q, k, v, scale, keys + p["D"] + 16)
+    top = bounds.check_forward(res[0], exact[0], forward, q, k, v, scale, keys + p["D"] + 16)
     bounds.check_statistics(np.asarray(res[1])[..., 0], np.asarray(res[2])[..., 0], exact[1],
-                            exact[2], forward, q, k, v, scale, keys, p["D"])
+                            exact[2], forward, q, k, v, scale, keys, p["D"], top=top)
     grads = nsa_numba.nsa_select_attention_grad(gs, qs, ks, vs, *res, topk, scale, N1,
                                                 p["block"], p["count"], **kw)
     exact = ref.select_attention_grad(g, q, k, v, p["topk"], scale, N1, p["block"],
                                       p["count"], p["causal"], ends_q, ends_kv)
     bounds.check_gradient(grads, exact, forward, gradient, g, q, k, v, res[0], scale,
-                          gradient_depth(q, k, v, keys))
+                          gradient_depth(q, k, v, keys), top=top)
 
 
 # -- compressed attention (forward and gradient) ---------------------------------------
@@ -392,9 +392,9 @@ def test_generated_compressed_attention_matches_reference(p):
         return r[0], r[2]
 
     keys = max(p["compressed"])
-    bounds.check_forward(out, rout, forward, q, k, v, 0.3, keys + p["D"] + 16)
+    top = bounds.check_forward(out, rout, forward, q, k, v, 0.3, keys + p["D"] + 16)
     bounds.check_statistics(smax[..., 0], ssum[..., 0], rmax, rsum, forward, q, k, v, 0.3,
-                            keys, p["D"])
+                            keys, p["D"], top=top)
     for t, j, r in zip(*np.nonzero(topk != rtopk)):
         ours, theirs = score[t, j, topk[t, j, r]], score[t, j, rtopk[t, j, r]]
         assert abs(ours - theirs) <= 1e-5 * max(abs(theirs), 1.0), (t, j, r, ours, theirs)
@@ -405,7 +405,7 @@ def test_generated_compressed_attention_matches_reference(p):
                                                   actual_cmp_seq_kvlen=seqs[1], strict=False)
     exact = ref.attention_grad(g, q, k, v, 0.3, mask, seqs[0], seqs[1])
     bounds.check_gradient(grads, exact, forward, compressed_gradient(mask, lens), g, q, k, v,
-                          out, 0.3, gradient_depth(q, k, v, keys))
+                          out, 0.3, gradient_depth(q, k, v, keys), top=top)
 
 
 # -- fusion attention (forward and gradient) -------------------------------------------

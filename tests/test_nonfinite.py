@@ -91,7 +91,7 @@ def _selected(seed):
 @pytest.mark.parametrize("at", [0, 5, 31, 32, 40])
 def test_selected_attention_hides_the_rest_of_the_own_block(at):
     # causal: a query sees the keys of its selected blocks up to its own position
-    T, N1, N2, block, count = 128, 4, 2, 32, 2
+    T, N1, block, count = 128, 4, 32, 2
     q, k, v, _, topk = _selected(2)
     kw = dict(atten_mask=np.ones(1), strict=False)
     clean = nsa_numba.nsa_select_attention(q, k, v, topk, 0.2, N1, block, count, **kw)

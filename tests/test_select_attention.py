@@ -66,9 +66,9 @@ def check(q, k, v, topk, scale, block, count, ends, causal, seed=0):
     assert (smax == smax[..., :1]).all() and (ssum == ssum[..., :1]).all()
     forward, gradient = select_references(topk, N1, block, count, causal, ends, ends)
     keys = count * block
-    bounds.check_forward(out, rout, forward, q, k, v, scale, keys + q.shape[2] + 16)
+    top = bounds.check_forward(out, rout, forward, q, k, v, scale, keys + q.shape[2] + 16)
     bounds.check_statistics(smax[..., 0], ssum[..., 0], rmax, rsum, forward, q, k, v, scale,
-                            keys, q.shape[2])
+                            keys, q.shape[2], top=top)
     g = np.random.default_rng(seed + 1).standard_normal(out.shape).astype(q.dtype)
     dq, dk, dv = nsa_numba.nsa_select_attention_grad(g, q, k, v, out, smax, ssum, topk, scale,
                                                      N1, block, count, **kw)
@@ -77,7 +77,7 @@ def check(q, k, v, topk, scale, block, count, ends, causal, seed=0):
     for got, like in zip((dq, dk, dv), (q, k, v)):
         assert got.dtype == q.dtype and got.shape == like.shape
     bounds.check_gradient((dq, dk, dv), exact, forward, gradient, g, q, k, v, out, scale,
-                          gradient_depth(q, k, v, keys))
+                          gradient_depth(q, k, v, keys), top=top)
     return out, smax, ssum, dq, dk, dv
 
 
