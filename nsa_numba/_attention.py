@@ -211,28 +211,19 @@ def _finite(a, o, n):
 
 
 @jit
-def _weighted_values(s, lds, n, rows, vrow, Dv, o, R, R4):
-    """``o`` = the weights ``s`` (``R4`` rows of ``lds``, ``n`` keys) times the values at
-    ``rows``, four rows at a time; where a row's result is not finite, every row again
-    with the keys of weight 0 left out (``_mm_seen``), so that a NaN or infinity in a
-    value reaches exactly the rows that see it, whatever the unit's other rows see."""
+def _products_seen(w, gate, lds, n, rows, b, width, out, R, R4):
+    """``out`` = the weights ``w`` (``R4`` rows of ``lds``, ``n`` keys) times the rows of
+    ``b`` at ``rows``, four rows at a time; where one of the first ``R`` results is not
+    finite, every row again with the keys whose ``gate`` (P) is 0 left out
+    (``_mm_seen``), so that a NaN or infinity reaches exactly the rows that see its
+    key, whatever the unit's other rows see. The values' sum (``w`` = ``gate`` = P) and
+    dq (``w`` = scale dS)."""
     for g in range(0, R4, 4):
-        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)
-    if not _finite(o, 0, R * Dv):
+        _mm(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width, False)
+    if not _finite(out, 0, R * width):
         for g in range(0, R4, 4):
-            _mm_seen(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False, s)
-
-
-@jit
-def _query_grads(s, dp, lds, n, rows, krow, D, acc, R, R4):
-    """``acc`` = ``dp`` (scale dS, ``R4`` rows of ``lds``, ``n`` keys) times the keys at
-    ``rows``; where a row's result is not finite, every row again with the keys of
-    weight P = 0 left out (``_weighted_values``' rule)."""
-    for g in range(0, R4, 4):
-        _mm(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False)
-    if not _finite(acc, 0, R * D):
-        for g in range(0, R4, 4):
-            _mm_seen(dp, g * lds, lds, 1, n, rows, krow, 0, D, acc, g * D, D, False, s)
+            _mm_seen(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width,
+                     False, gate)
 
 
 @overload(_mm, jit_options=OVERLOAD_OPTIONS)
@@ -725,7 +716,7 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
         gb = blk_starts[b] + topk[t, j, vis[v]]
         for r in range(l):
             rows[v * l + r] = ((gb * N2 + j) * l + r) * Dv
-    _weighted_values(s, lds, n, rows, vrow, Dv, o, G, G4)
+    _products_seen(s, s, lds, n, rows, vrow, Dv, o, G, G4)
     for g in range(G):
         _divide(o, g * Dv, Dv, ssum[t, j * G + g, 0])
         _narrow_row(o, g * Dv, out, t, j * G + g)
@@ -846,7 +837,7 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
         u = (blk_starts[b] + topk[t, j, vis[v]]) * N2 + j
         for r in range(l):
             rows[v * l + r] = (u * l + r) * D
-    _query_grads(s, dp, lds, n, rows, krow, D, acc, G, G4)
+    _products_seen(dp, s, lds, n, rows, krow, D, acc, G, G4)
     for g in range(G):
         _narrow_row(acc, g * D, dq, t, j * G + g)
 
@@ -1209,7 +1200,7 @@ def _attend(t0, nt, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, m
             _set_stats(smax, ssum, t, h0 + g, top, total)
     if span:
         _chunk_rows(rows, chunk_starts[b], span, first, N2, j, Dv)
-        _weighted_values(s, lds, span, rows, vrow, Dv, o, R, R4)
+        _products_seen(s, s, lds, span, rows, vrow, Dv, o, R, R4)
     for m in range(nt):
         for g in range(Gu):
             t, h = t0 + m, h0 + g
@@ -1430,7 +1421,7 @@ def _dense_dq_unit(t0, nt, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
             _ds_row(s, dp, at, span, stats[3 * i], stats[3 * i + 1], stats[3 * i + 2], scale,
                     span)
     _chunk_rows(rows, chunk_starts[b], span, first, N2, j, D)
-    _query_grads(s, dp, lds, span, rows, krow, D, acc, R, R4)
+    _products_seen(dp, s, lds, span, rows, krow, D, acc, R, R4)
     for m in range(nt):
         if ranges[t0 + m, r, 2] == SEES:
             for g in range(Gu):

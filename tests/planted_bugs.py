@@ -38,13 +38,13 @@ class Bug:
 BUGS = [
     Bug("compressed attention's importance: first block off by one",
         "nsa_numba/_attention.py", "lo = max(0, (first - 1) // m)", "lo = max(0, first // m)"),
-    Bug("forwards: weights rounded to the input dtype before the values' sum (bfloat16)",
+    Bug("forwards and dq: weights rounded to bfloat16 before their products",
         "nsa_numba/_attention.py",
-        "        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)\n",
+        "        _mm(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width, False)\n",
         "        like = np.zeros(1, np.int16)\n"
         "        for i in range(g * lds, (g + 4) * lds):\n"
-        "            s[i] = widen(narrow(s[i], like))\n"
-        "        _mm(s, g * lds, lds, 1, n, rows, vrow, 0, Dv, o, g * Dv, Dv, False)\n",
+        "            w[i] = widen(narrow(w[i], like))\n"
+        "        _mm(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width, False)\n",
         "bfloat16"),
     Bug("forwards: a value of weight 0 summed after all (0 x NaN reaches the row)",
         "nsa_numba/_attention.py", "                if gate[i] != 0:\n",
