@@ -11,19 +11,15 @@ attention ``npu_fusion_attention`` / ``_grad`` (sparse modes 0 to 4), the NSA
 window branch.
 """
 
-from . import _threading
-
-_threading.configure()  # before anything can start Numba's thread pool
-
-from . import _firstrun  # noqa: E402
-from ._errors import NsaError  # noqa: E402
-from ._firstrun import compile_messages  # noqa: E402
-from ._pool import keep_outputs, release_outputs  # noqa: E402
-from ._threading import threads  # noqa: E402
-from .api import (fusion_attention, fusion_attention_grad, nsa_compress,  # noqa: E402
+from . import _firstrun
+from ._errors import NsaError
+from ._firstrun import compile_messages
+from ._launch import threads
+from ._pool import keep_outputs, release_outputs
+from .api import (fusion_attention, fusion_attention_grad, nsa_compress,
                   nsa_compress_attention, nsa_compress_attention_grad, nsa_compress_grad,
                   nsa_compress_infer, nsa_select_attention, nsa_select_attention_grad)
-from ._warmup import warmup  # noqa: E402
+from ._warmup import warmup
 
 __version__ = "0.1.0"
 

@@ -87,11 +87,8 @@ def info(args):
     import numba
 
     import nsa_numba
-    from nsa_numba import _halfprec, _kernels, _pool, _simd, _target, _threading
+    from nsa_numba import _halfprec, _kernels, _launch, _pool, _simd, _target
 
-    # run one tiny call so Numba picks its threading layer
-    x = np.zeros((16, 1, 16), np.float32)
-    nsa_numba.nsa_compress(x, np.zeros((16, 1), np.float32), 16, 16)
     cache = getattr(_kernels.compress_forward, "_cache", None)
     budget = _pool.keep_outputs()
     rows = [
@@ -102,11 +99,10 @@ def info(args):
         ("numpy", np.__version__),
         ("ml_dtypes", ml_dtypes.__version__),
         ("torch", _torch_version()),
-        ("threading layer", f"{_threading.layer()} ({_threading.reason})"),
-        ("tbb library", _threading.tbb_library() or "-"),
-        ("threads", f"{numba.get_num_threads()} (NUMBA_NUM_THREADS="
+        ("threads", f"{_launch.count()} (NUMBA_NUM_THREADS="
                     f"{os.environ.get('NUMBA_NUM_THREADS', 'unset')}, cores "
-                    f"{os.cpu_count()})"),
+                    f"{os.cpu_count()}): the caller and up to {_launch.ceiling() - 1} "
+                    f"helper threads of nsa_numba's own"),
         ("cpu", f"{platform.machine()} {numba.config.CPU_NAME or _host_cpu_name()}"),
         ("vector path", f"{_target.vector_isa()} ({_target.vector_bits()}-bit registers): "
                         f"forward sums in {_simd.WIDTH} lanes, backward {_simd.SHORT_WIDTH}"),
@@ -163,7 +159,7 @@ def main(argv=None):
     p = sub.add_parser("demo", help="run and check the aclnnNsaCompressGrad seed example")
     p.add_argument("--seed", type=int, default=0, help="random seed for the data")
     p.set_defaults(func=demo)
-    p = sub.add_parser("info", help="versions, threading layer, CPU, cache directory")
+    p = sub.add_parser("info", help="versions, threads, CPU, cache directory")
     p.set_defaults(func=info)
     p = sub.add_parser("bench", help="throughput against copy bandwidth (and PyTorch)")
     from . import bench

@@ -40,11 +40,12 @@ through those fixed-order sums.
 import math
 
 import numpy as np
-from numba import get_thread_id, prange, types
+from numba import types
 from numba.extending import overload
 
 from ._halfprec import HARDWARE_HALF, narrow, widen
-from ._jit import BOUNDSCHECK, OVERLOAD_OPTIONS, jit, jit_parallel
+from ._jit import BOUNDSCHECK, OVERLOAD_OPTIONS, jit
+from ._launch import claim, next_unit
 from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
 from ._lanes import ldiv, lload_wide, lload_wide_at, lstore, lstore_narrow_at, lsub, lsum
 from ._lanes import lzeros
@@ -53,7 +54,8 @@ from ._lanes import lzeros
 # helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
-    "_jit.py": "5e2d2922a8cf1971",
+    "_jit.py": "b1940bfba2475671",
+    "_launch.py": "46ef0ac6176e5d1c",
     "_lanes.py": "f683dcc715711807",
 }
 
@@ -620,16 +622,18 @@ def _stage_block(k, v, row0, n, j, l, lp, kt, krow, vrow, vt, base_k, base_v):
                 vt[base_v * lp + e * lp + r] = 0
 
 
-@jit_parallel
-def select_stage(k, v, block_row, l, lp, kt, krow, vrow, vt):
+@jit
+def select_stage(work, slot, k, v, block_row, l, lp, kt, krow, vrow, vt):
     """Stage every block (``block_row[gb]``: its first key row) of every KV head into
     the arrays that are not empty: ``kt`` ``[GB, N2, D, lp]``, ``krow`` ``[GB, N2, l,
     D]``, ``vrow`` ``[GB, N2, l, Dv]``, ``vt`` ``[GB, N2, Dv, lp]``, all flat."""
     N2, D, Dv = k.shape[1], k.shape[2], v.shape[2]
-    for unit in prange(block_row.size * N2):
+    unit, end = claim(work, block_row.size * N2)
+    while unit < end:
         u = np.int64(unit)
         gb, j = u // N2, u % N2
         _stage_block(k, v, block_row[gb], l, j, l, lp, kt, krow, vrow, vt, u * D, u * Dv)
+        unit, end = next_unit(work, unit, end, block_row.size * N2)
 
 
 # -- shared per-unit pieces -----------------------------------------------------------
@@ -722,19 +726,20 @@ def _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum
         _narrow_row(o, g * Dv, out, t, j * G + g)
 
 
-@jit_parallel
-def select_forward(q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, scratch, index,
-                   G, l, lp, scale, causal):
+@jit
+def select_forward(work, slot, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum, scratch,
+                   index, G, l, lp, scale, causal):
     """Selected attention: ``out``, ``smax``, ``ssum`` for every query token and head
     (``scratch`` / ``index``: one float / int64 row per thread)."""
     T1, N2, count = topk.shape
-    for unit in prange(T1 * N2):
+    unit, end = claim(work, T1 * N2)
+    while unit < end:
         t, j = np.int64(unit) // N2, np.int64(unit) % N2
-        slot = get_thread_id()
         rows = index[slot]
         _forward_unit(t, j, q, topk, q_starts, blk_starts, kt, vrow, out, smax, ssum,
                       scratch[slot], rows[count:], rows[:count], G, l, lp, count, scale,
                       causal)
+        unit, end = next_unit(work, unit, end, T1 * N2)
 
 
 # -- backward: dq ----------------------------------------------------------------------
@@ -842,18 +847,19 @@ def _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
         _narrow_row(acc, g * D, dq, t, j * G + g)
 
 
-@jit_parallel
-def select_grad_dq(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt, krow, vt,
-                   dq, scratch, index, G, l, lp, scale, causal):
+@jit
+def select_grad_dq(work, slot, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt, krow,
+                   vt, dq, scratch, index, G, l, lp, scale, causal):
     """The query gradient of selected attention, one unit per token and KV head."""
     T1, N2, count = topk.shape
-    for unit in prange(T1 * N2):
+    unit, end = claim(work, T1 * N2)
+    while unit < end:
         t, j = np.int64(unit) // N2, np.int64(unit) % N2
-        slot = get_thread_id()
         rows = index[slot]
         _dq_unit(t, j, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, kt,
                  krow, vt, dq, scratch[slot], rows[count:], rows[:count], G, l, lp, count,
                  scale, causal)
+        unit, end = next_unit(work, unit, end, T1 * N2)
 
 
 # -- backward: dk, dv (owner computes) --------------------------------------------------
@@ -1004,28 +1010,29 @@ def _owner_sums(s, dp, qs, dos, heads, lds, r_lo, r_hi, D, Dv, rows, dkb, dvb, s
             _mm(dp, r0, 1, lds, heads, rows, qs, 0, D, dkb, r0 * D, D, True)
 
 
-@jit_parallel
-def select_grad_dkdv(q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts, block_row,
-                     tails, offsets, entries, order, kt, vt, dk, dv, scratch, index, G, l, lp,
-                     scale, causal):
+@jit
+def select_grad_dkdv(work, slot, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
+                     block_row, tails, offsets, entries, order, kt, vt, dk, dv, scratch, index, G,
+                     l, lp, scale, causal):
     """The key and value gradients, one unit per key block and KV head (in ``order``);
     the rows ``tails`` lists (``[start, end)`` pairs: keys in no whole block) get 0."""
     N2 = topk.shape[1]
-    for p in range(tails.shape[0]):
+    for p in range(tails.shape[0] if slot == 0 else 0):     # on the caller's thread
         for r in range(tails[p, 0], tails[p, 1]):
             for j in range(N2):
                 for d in range(dk.shape[2]):
                     dk[r, j, d] = narrow(0.0, dk)
                 for e in range(dv.shape[2]):
                     dv[r, j, e] = narrow(0.0, dv)
-    for unit in prange(order.size):
-        slot = get_thread_id()
+    unit, end = claim(work, order.size)
+    while unit < end:
         u = order[np.int64(unit)]
         for seen in (False, True):
             if _owner_unit(u, q, grad, out_fwd, smax, ssum, topk, q_starts, blk_starts,
                            block_row, offsets, entries, kt, vt, dk, dv, scratch[slot],
                            index[slot], G, l, lp, scale, causal, seen):
                 break
+        unit, end = next_unit(work, unit, end, order.size)
 
 
 # -- dense attention: every key of a sequence, masked --------------------------------
@@ -1061,20 +1068,22 @@ SEES, ALL_MASKED, NO_KEYS = 0, 1, 2
 NO_KEYS_SUM = np.float32(3.4028234663852886e38)
 
 
-@jit_parallel
-def dense_stage(k, v, chunk_row, chunk_len, kt, krow, vrow, vt):
+@jit
+def dense_stage(work, slot, k, v, chunk_row, chunk_len, kt, krow, vrow, vt):
     """Stage every chunk (``chunk_row[c]``: its first key row, ``chunk_len[c]`` keys)
     of every KV head as :func:`select_stage` stages a block of CHUNK keys, zero padded."""
     N2, D, Dv = k.shape[-2], k.shape[-1], v.shape[-1]
-    for unit in prange(chunk_row.size * N2):
+    unit, end = claim(work, chunk_row.size * N2)
+    while unit < end:
         u = np.int64(unit)
         c, j = u // N2, u % N2
         _stage_block(k, v, chunk_row[c], chunk_len[c], j, CHUNK, CHUNK, kt, krow, vrow, vt,
                      u * D, u * Dv)
+        unit, end = next_unit(work, unit, end, chunk_row.size * N2)
 
 
-@jit_parallel
-def dense_ranges(mask, q_starts, kv_starts, geo, mstep, zero_rows, ranges):
+@jit
+def dense_ranges(work, slot, mask, q_starts, kv_starts, geo, mstep, zero_rows, ranges):
     """``ranges[t, r] = (lo, hi, state, holes)`` per query token ``t`` and mask head
     ``r``. Position ``i`` of sequence ``b`` (K keys) may see keys ``max(0, i + geo[b,
     0]) <= k < min(K, i + geo[b, 1])``; the mask, when not empty, hides key ``k``
@@ -1083,7 +1092,8 @@ def dense_ranges(mask, q_starts, kv_starts, geo, mstep, zero_rows, ranges):
     hides any between; ALL_MASKED: ``[lo, hi)`` the geometry's keys; NO_KEYS: ``lo =
     hi = 0``."""
     R = ranges.shape[1]
-    for unit in prange(ranges.shape[0]):
+    unit, end = claim(work, ranges.shape[0])
+    while unit < end:
         t = np.int64(unit)
         b, pos = _sequence(q_starts, t)
         nk = kv_starts[b + 1] - kv_starts[b]
@@ -1109,6 +1119,7 @@ def dense_ranges(mask, q_starts, kv_starts, geo, mstep, zero_rows, ranges):
             ranges[t, r, 1] = hi
             ranges[t, r, 2] = state
             ranges[t, r, 3] = holes
+        unit, end = next_unit(work, unit, end, ranges.shape[0])
 
 
 @jit
@@ -1212,21 +1223,22 @@ def _attend(t0, nt, u, q, q_starts, kv_starts, chunk_starts, ranges, kt, vrow, m
     return first, span
 
 
-@jit_parallel
-def dense_forward(q, q_starts, kv_starts, chunk_starts, blocks, ranges, kt, vrow, mask, geo,
-                  mstep, out, smax, ssum, scratch, index, G, Gu, lds, scale):
+@jit
+def dense_forward(work, slot, q, q_starts, kv_starts, chunk_starts, blocks, ranges, kt, vrow, mask,
+                  geo, mstep, out, smax, ssum, scratch, index, G, Gu, lds, scale):
     """Dense attention's forward, one unit per block of tokens (``blocks[i]``: its
     first token and count) and ``Gu`` heads."""
     nb = blocks.shape[0]
     units = nb * (q.shape[-2] // Gu)
-    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
-        slot = get_thread_id()
+    run, end = claim(work, (units + UNIT_RUN - 1) // UNIT_RUN)
+    while run < end:
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
             u, i = unit // nb, unit % nb          # head by head: its keys stay in cache
             _attend(blocks[i, 0], blocks[i, 1], u, q, q_starts, kv_starts, chunk_starts,
                     ranges, kt, vrow, mask, geo, mstep, out, smax, ssum, f, rows, G, Gu, lds,
                     scale)
+        run, end = next_unit(work, run, end, (units + UNIT_RUN - 1) // UNIT_RUN)
 
 
 @jit
@@ -1350,22 +1362,23 @@ def _add_quotient_typed(a, oa, b, ob, n, d):
     return lanes
 
 
-@jit_parallel
-def cmp_forward(q, q_starts, kv_starts, chunk_starts, sel_starts, blocks, ranges, kt, vrow,
-                atten_mask, geo, topk_mask, out, topk, smax, ssum, scratch, index, G, lds,
+@jit
+def cmp_forward(work, slot, q, q_starts, kv_starts, chunk_starts, sel_starts, blocks, ranges, kt,
+                vrow, atten_mask, geo, topk_mask, out, topk, smax, ssum, scratch, index, G, lds,
                 scale, m, n):
     """Compressed attention with top-k selection, one unit per block of tokens and KV
     head."""
     nb, N2 = blocks.shape[0], topk.shape[1]
     units = nb * N2
-    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
-        slot = get_thread_id()
+    run, end = claim(work, (units + UNIT_RUN - 1) // UNIT_RUN)
+    while run < end:
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
             j, i = unit // nb, unit % nb          # KV head by KV head: its keys stay in cache
             _cmp_unit(blocks[i, 0], blocks[i, 1], j, q, q_starts, kv_starts, chunk_starts,
                       sel_starts, ranges, kt, vrow, atten_mask, geo, topk_mask, out, topk,
                       smax, ssum, f, rows, G, lds, scale, m, n)
+        run, end = next_unit(work, run, end, (units + UNIT_RUN - 1) // UNIT_RUN)
 
 
 # -- dense attention backward -----------------------------------------------------------
@@ -1428,22 +1441,23 @@ def _dense_dq_unit(t0, nt, u, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
                 _narrow_row(acc, (m * Gu + g) * D, dq, t0 + m, h0 + g)
 
 
-@jit_parallel
-def dense_grad_dq(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, blocks,
-                  ranges, kt, krow, vt, mask, geo, mstep, dq, scratch, index, G, Gu, lds,
+@jit
+def dense_grad_dq(work, slot, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
+                  blocks, ranges, kt, krow, vt, mask, geo, mstep, dq, scratch, index, G, Gu, lds,
                   scale):
     """The query gradient of dense attention, one unit per block of tokens and ``Gu``
     heads."""
     nb = blocks.shape[0]
     units = nb * (q.shape[-2] // Gu)
-    for run in prange((units + UNIT_RUN - 1) // UNIT_RUN):
-        slot = get_thread_id()
+    run, end = claim(work, (units + UNIT_RUN - 1) // UNIT_RUN)
+    while run < end:
         f, rows = scratch[slot], index[slot]
         for unit in range(run * UNIT_RUN, min(units, (run + 1) * UNIT_RUN)):
             u, i = unit // nb, unit % nb          # head by head: its keys stay in cache
             _dense_dq_unit(blocks[i, 0], blocks[i, 1], u, q, grad, out_fwd, smax, ssum,
                            q_starts, kv_starts, chunk_starts, ranges, kt, krow, vt, mask, geo,
                            mstep, dq, f, rows, G, Gu, lds, scale)
+        run, end = next_unit(work, run, end, (units + UNIT_RUN - 1) // UNIT_RUN)
 
 
 @jit
@@ -1511,19 +1525,20 @@ def _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_sta
     return True
 
 
-@jit_parallel
-def dense_grad_dkdv(q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts, ranges,
-                    order, kt, vt, mask, geo, mstep, dk, dv, scratch, index, G, Gu, scale):
+@jit
+def dense_grad_dkdv(work, slot, q, grad, out_fwd, smax, ssum, q_starts, kv_starts, chunk_starts,
+                    ranges, order, kt, vt, mask, geo, mstep, dk, dv, scratch, index, G, Gu, scale):
     """The key and value gradients of dense attention, one unit per key chunk and KV
     head (in ``order``), each the owner of its rows."""
-    for unit in prange(order.size):
-        slot = get_thread_id()
+    unit, end = claim(work, order.size)
+    while unit < end:
         w = order[np.int64(unit)]
         for seen in (False, True):
             if _dense_owner(w, q, grad, out_fwd, smax, ssum, q_starts, kv_starts,
                             chunk_starts, ranges, kt, vt, mask, geo, mstep, dk, dv,
                             scratch[slot], index[slot], G, Gu, scale, seen):
                 break
+        unit, end = next_unit(work, unit, end, order.size)
 
 
 @jit

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _attention, _seqlens
+from . import _attention, _launch, _seqlens
 from ._dense import DensePlan, chunks, unbounded
 from ._errors import invalid, tiling
 from ._plan import Rules, check_no_overlap
-from ._select import (STAT_LANES, _int, _launch, _output, _scale, _starts,
+from ._select import (STAT_LANES, _int, _output, _scale, _starts,
                       _stat_dtype, check_heads, check_saved, paired_starts)
 
 PY_NAMES = {
@@ -82,12 +82,12 @@ class CompressAttentionPlan(DensePlan):
         topk = self.arrays["topk"]
         if self.cut is not None:
             topk = self.clip(topk[None])[0]
-        _launch(_attention.cmp_forward, useful, 4, self.rows("query"), self.q_starts,
-                self.kv_starts, self.chunk_starts, self.sel_starts, blocks, ranges, w["kt"],
-                w["vrow"], self.mask, self.geo, self.topk_mask, self.rows("attention_out"),
-                topk, self.rows("softmax_max"), self.rows("softmax_sum"),
-                w["scratch"], w["index"], self.G, self.row,
-                self.accumulator.type(self.scale), self.m, self.n)
+        _launch.any_layout(
+            _attention.cmp_forward, useful, 4, self.rows("query"), self.q_starts,
+            self.kv_starts, self.chunk_starts, self.sel_starts, blocks, ranges, w["kt"],
+            w["vrow"], self.mask, self.geo, self.topk_mask, self.rows("attention_out"), topk,
+            self.rows("softmax_max"), self.rows("softmax_sum"), w["scratch"], w["index"],
+            self.G, self.row, self.accumulator.type(self.scale), self.m, self.n)
 
 
 def _dense_fields(dtype, T1, N2, G, D, Dv, scale, q_starts, kv_starts, mask):

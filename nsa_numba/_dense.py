@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _attention
+from . import _attention, _launch
 from ._plan import scratch_slots
-from ._select import AttentionPlan, _launch, _round16
+from ._select import AttentionPlan, _round16
 
 #: the roles whose arrays have the key heads N2 (the others have the query heads N1)
 KEY_ROLES = frozenset({"key", "value", "dk", "dv"})
@@ -254,12 +254,12 @@ class DensePlan(Chunks, AttentionPlan):
 
     def forward_step(self, w, useful, ranges, blocks):
         """The forward's launch after staging and ranges."""
-        _launch(_attention.dense_forward, useful, 4, self.rows("query"), self.q_starts,
-                self.kv_starts, self.chunk_starts, blocks, ranges, w["kt"], w["vrow"],
-                self.mask,
-                self.geo, self.mstep, self.rows("attention_out"), self.rows("softmax_max"),
-                self.rows("softmax_sum"), w["scratch"], w["index"], self.G, self.Gu,
-                self.row, self.accumulator.type(self.scale))
+        _launch.any_layout(
+            _attention.dense_forward, useful, 4, self.rows("query"), self.q_starts,
+            self.kv_starts, self.chunk_starts, blocks, ranges, w["kt"], w["vrow"], self.mask,
+            self.geo, self.mstep, self.rows("attention_out"), self.rows("softmax_max"),
+            self.rows("softmax_sum"), w["scratch"], w["index"], self.G, self.Gu, self.row,
+            self.accumulator.type(self.scale))
 
 
 def run_dense(plan, workspace=None, threads=None):
@@ -298,13 +298,13 @@ def _part_steps(plan, workspace, threads):
 
     def stage():            # (writes nothing before it runs: parts share the workspace)
         blocks[:] = made
-        _launch(_attention.dense_stage, useful, 1, plan.rows("key"), plan.rows("value"),
-                plan.chunk_row, plan.chunk_len, *staged)
+        _launch.any_layout(_attention.dense_stage, useful, 1, plan.rows("key"),
+                           plan.rows("value"), plan.chunk_row, plan.chunk_len, *staged)
 
     steps = [("stage", stage),
-             ("ranges", lambda: _launch(_attention.dense_ranges, useful, 64, plan.mask,
-                                        plan.q_starts, plan.kv_starts, plan.geo, plan.mstep,
-                                        plan.zero_rows, ranges))]
+             ("ranges", lambda: _launch.any_layout(
+                 _attention.dense_ranges, useful, 64, plan.mask, plan.q_starts, plan.kv_starts,
+                 plan.geo, plan.mstep, plan.zero_rows, ranges))]
     if not plan.grad:
         steps.append(("forward", lambda: plan.forward_step(w, useful, ranges, blocks)))
         return steps
@@ -312,7 +312,7 @@ def _part_steps(plan, workspace, threads):
     common = (rows("query"), rows("grad"), rows("attention_out"), rows("softmax_max"),
               rows("softmax_sum"), plan.q_starts, plan.kv_starts, plan.chunk_starts, ranges)
     if plan.units:
-        steps.append(("dq", lambda: _launch(
+        steps.append(("dq", lambda: _launch.any_layout(
             _attention.dense_grad_dq, useful, 4, *common[:-1], blocks, ranges, w["kt"],
             w["krow"], w["vt"], plan.mask, plan.geo, plan.mstep, rows("dq"), w["scratch"],
             w["index"], plan.G, plan.Gu, plan.row, scale)))
@@ -325,7 +325,7 @@ def _part_steps(plan, workspace, threads):
         order[:] = [np.argsort(-work, kind="stable")]
 
     steps.append(("order", rank))
-    steps.append(("dk dv", lambda: _launch(
+    steps.append(("dk dv", lambda: _launch.any_layout(
         _attention.dense_grad_dkdv, useful, 1, *common, order[0], w["kt"], w["vt"],
         plan.mask, plan.geo, plan.mstep, rows("dk"), rows("dv"), w["scratch"], w["index"],
         plan.G, plan.Gu, scale)))

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from . import _kernels, _pool, _simd, _threading
+from . import _kernels, _launch, _pool, _simd
 from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
 
 
@@ -235,11 +235,12 @@ def launch(recipe, arrays, scratch, threads=None):
     useful = recipe.useful if threads is None else min(threads, recipe.useful)
     partials, rows = scratch
     if recipe.op == "forward":
-        _threading.launch(recipe.kernel, useful, *arrays, rows, recipe.dims, recipe.tiles,
-                          recipe.stride, recipe.D, False)
+        _launch.run(recipe.kernel, useful, 1, *arrays, rows, recipe.dims, recipe.tiles,
+                    recipe.stride, recipe.D, False)
         return
-    _threading.launch(recipe.kernel, useful, *arrays, partials, rows, recipe.dims,
-                      recipe.tiles, recipe.stride, recipe.D, False)
+    rest = (partials, rows, recipe.dims, recipe.tiles, recipe.stride, recipe.D, False)
+    _launch.run(recipe.kernel, useful, 1, *arrays, *rest)
+    _launch.finish(recipe.kernel, *arrays, *rest)
 
 
 def run_compress(plan, workspace=None, threads=None):
@@ -296,7 +297,6 @@ class Prepared:
     storage: np.dtype
     scratch: Scratch
     useful: int              # most threads worth waking
-    all_threads: bool        # it wants the whole pool: no thread count to cap
     allocate: tuple          # per ROLES entry: the shape of an output to allocate, or None
 
 
@@ -313,7 +313,6 @@ def prepared_call(plan, chosen, given):
     made = Prepared(op=chosen.op, kernel=chosen.kernel,
                     constants=(chosen.dims, chosen.tiles, chosen.stride, chosen.D, True),
                     storage=chosen.storage, scratch=chosen.scratch, useful=chosen.useful,
-                    all_threads=chosen.useful >= numba.config.NUMBA_NUM_THREADS,
                     allocate=allocate)
     return made, chosen.tiles.nbytes
 
@@ -328,12 +327,12 @@ def run_prepared(prepared, threads, *views):
     scratch = (rows,) if prepared.op == "forward" else (partials, rows)
     was, state.busy = state.busy, True
     try:
-        if (prepared.all_threads and (threads is None or threads >= prepared.useful)
-                and _threading.concurrent):       # no count to cap, no launch lock
-            return prepared.kernel(*views, *scratch, *prepared.constants)
         useful = prepared.useful if threads is None else min(threads, prepared.useful)
-        return _threading.launch(prepared.kernel, useful, *views, *scratch,
-                                 *prepared.constants)
+        if not _launch.run(prepared.kernel, useful, 1, *views, *scratch, *prepared.constants):
+            return False
+        if prepared.op == "grad":
+            _launch.finish(prepared.kernel, *views, *scratch, *prepared.constants)
+        return True
     finally:
         state.busy = was
 
@@ -402,6 +401,4 @@ def _infer_launch(plan, workspace, threads):
     weight = weight_storage(plan.arrays["weight"], STORAGE[kind_of(plan.dtype)])
     args = (plan.storage("input"), weight, plan.storage("cache"), plan.slots, plan.source,
             plan.D, scratch)
-    if useful == 1:
-        return lambda: _kernels.compress_infer_serial(*args)
-    return lambda: _threading.launch(_kernels.compress_infer, useful, *args)
+    return lambda: _launch.run(_kernels.compress_infer, useful, 1, *args)

@@ -106,6 +106,7 @@ def _dtype_of(args):
     else the first array's; None without arrays."""
     kinds = [_KIND_OF_STORAGE.get(str(arg.dtype)) for arg in args
              if getattr(arg, "ndim", 0) and getattr(arg, "dtype", None) is not None]
+    kinds = [k for k in kinds if k is not None]         # not index or count arrays
     half = [k for k in kinds if k in ("float16", "bfloat16")]
     return half[0] if half else (kinds[0] if kinds else None)
 

@@ -31,8 +31,3 @@ def jit(func=None, **extra):
     """``numba.njit`` with the project's options; ``extra`` adds e.g. ``inline``."""
     decorator = njit(**_OPTIONS, **extra)
     return decorator if func is None else decorator(func)
-
-
-def jit_parallel(func):
-    """``jit`` for kernels whose outer loop is a ``prange`` over independent tiles."""
-    return njit(parallel=True, **_OPTIONS)(func)

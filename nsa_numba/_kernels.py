@@ -34,11 +34,12 @@ token and head that cost about half of the forward's time on short rows.
 """
 
 import numpy as np
-from numba import get_thread_id, prange, types
+from numba import types
 from numba.extending import overload
 
 from ._halfprec import narrow, widen
-from ._jit import OVERLOAD_OPTIONS, jit, jit_parallel
+from ._jit import OVERLOAD_OPTIONS, jit
+from ._launch import FINISH, claim, next_unit
 from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
 from ._simd import (SHORT_WIDTH, WIDTH, check_row, check_span, vload,
                     vload_row_short, vload_row_split, vload_short, vmul_add, vstore, vstore_row,
@@ -50,7 +51,8 @@ from ._tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 # tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
     "_halfprec.py": "3fa88f180cff49fe",
-    "_jit.py": "5e2d2922a8cf1971",
+    "_jit.py": "b1940bfba2475671",
+    "_launch.py": "46ef0ac6176e5d1c",
     "_prefetch.py": "4919cebb64fefdaf",
     "_simd.py": "d8002995352def0a",
     "_target.py": "03997255e397a5e2",
@@ -324,7 +326,7 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
 
 
 @jit(inline="always")
-def _forward_simd(x, w, out, tiles, stride, D, scratch):
+def _forward_simd(work, slot, x, w, out, tiles, stride, D, scratch):
     """``_forward_rows`` with the window sums in registers: faster on short rows
     and on rows of up to ``_dispatch.SIMD_ROW_BYTES``.
 
@@ -353,10 +355,11 @@ def _forward_simd(x, w, out, tiles, stride, D, scratch):
     row_lines = (row_bytes + LINE_BYTES - 1) // LINE_BYTES
     row_stride = x.shape[2] * x.shape[3] * x.itemsize
     passes = N * (D // WIDTH)
-    for unit in prange(tiles.shape[0]):
+    ring = scratch[slot]
+    unit, end = claim(work, tiles.shape[0])
+    while unit < end:
         b, s0, i0, i1, row0, rel, rel_end = _forward_tile(tiles, np.int64(unit), block,
                                                           stride)
-        ring = scratch[get_thread_id()]
         while rel < rel_end:
             lo, hi = _covering(rel, block, stride, i0, i1 - 1)
             nxt = _segment_end(rel, lo, hi, i1 - 1, block, stride, rel_end)
@@ -406,6 +409,7 @@ def _forward_simd(x, w, out, tiles, stride, D, scratch):
                         _park(ring, pa, out, b, row0 + lo, n, e0, acc, closes)
                         vstore(ring, pb, acc_hi)
             rel = nxt
+        unit, end = next_unit(work, unit, end, tiles.shape[0])
 
 
 @jit(inline="always")
@@ -682,35 +686,39 @@ def _forward_apart(x, w, out):
     return _apart(out, x) and _apart(out, w)
 
 
-@jit_parallel
-def compress_forward(x, w, out, rows, dims, tiles, stride, D, check):
+@jit
+def compress_forward(work, slot, x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, GROUP tokens per pass over D (``_forward_grouped``); see above."""
     if check and not _forward_apart(x, w, out):
         return False
     x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
-    for unit in prange(tiles.shape[0]):
-        _forward_grouped(x4, wt, out4, tiles, np.int64(unit), stride, D,
-                         rows[get_thread_id()])
+    unit, end = claim(work, tiles.shape[0])
+    while unit < end:
+        _forward_grouped(x4, wt, out4, tiles, unit, stride, D, rows[slot])
+        unit, end = next_unit(work, unit, end, tiles.shape[0])
     return True
 
 
-@jit_parallel
-def compress_forward_rows(x, w, out, rows, dims, tiles, stride, D, check):
+@jit
+def compress_forward_rows(work, slot, x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, one token per pass over D (``_forward_rows``); see above."""
     if check and not _forward_apart(x, w, out):
         return False
     x4, out4, wt = _as_rows(x, dims, 0), _as_rows(out, dims, 1), weight_table(w)
-    for unit in prange(tiles.shape[0]):
-        _forward_rows(x4, wt, out4, tiles, np.int64(unit), stride, D, rows[get_thread_id()])
+    unit, end = claim(work, tiles.shape[0])
+    while unit < end:
+        _forward_rows(x4, wt, out4, tiles, unit, stride, D, rows[slot])
+        unit, end = next_unit(work, unit, end, tiles.shape[0])
     return True
 
 
-@jit_parallel
-def compress_forward_simd(x, w, out, rows, dims, tiles, stride, D, check):
+@jit
+def compress_forward_simd(work, slot, x, w, out, rows, dims, tiles, stride, D, check):
     """The forward, window sums in registers (``_forward_simd``); see above."""
     if check and not _forward_apart(x, w, out):
         return False
-    _forward_simd(_as_rows(x, dims, 0), w, _as_rows(out, dims, 1), tiles, stride, D, rows)
+    _forward_simd(work, slot, _as_rows(x, dims, 0), w, _as_rows(out, dims, 1), tiles, stride,
+                  D, rows)
     return True
 
 
@@ -732,30 +740,39 @@ def _backward_views(g, x, w, ig, dims):
 # (Numba cannot match a closure over a compiled function to its cache entry), and
 # unlike the tile functions the kernels are what a process loads from the cache.
 
-@jit_parallel
-def compress_backward(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, check):
-    """Both gradients (``_backward_tile`` per tile, then ``reduce_weight_grad``); see
-    above."""
+@jit
+def compress_backward(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, stride, D,
+                      check):
+    """Both gradients' tiles (``_backward_tile``), the weight gradient's partial sums
+    in ``partials``; with ``slot`` FINISH (``_launch.finish``, after every tile),
+    ``reduce_weight_grad`` (see above)."""
+    if slot == FINISH:
+        reduce_weight_grad(partials, wg)
+        return True
     if check and not _backward_apart(g, x, w, ig, wg):
         return False
     g4, x4, ig4, wt = _backward_views(g, x, w, ig, dims)
-    for unit in prange(tiles.shape[0]):
-        _backward_tile(g4, x4, wt, ig4, partials, tiles, np.int64(unit), stride, D,
-                       rows[get_thread_id()])
-    reduce_weight_grad(partials, wg)
+    unit, end = claim(work, tiles.shape[0])
+    while unit < end:
+        _backward_tile(g4, x4, wt, ig4, partials, tiles, unit, stride, D, rows[slot])
+        unit, end = next_unit(work, unit, end, tiles.shape[0])
     return True
 
 
-@jit_parallel
-def compress_backward_simd(g, x, w, ig, wg, partials, rows, dims, tiles, stride, D, check):
+@jit
+def compress_backward_simd(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, stride,
+                           D, check):
     """``compress_backward`` with the token pairs in ``_simd`` vectors."""
+    if slot == FINISH:
+        reduce_weight_grad(partials, wg)
+        return True
     if check and not _backward_apart(g, x, w, ig, wg):
         return False
     g4, x4, ig4, wt = _backward_views(g, x, w, ig, dims)
-    for unit in prange(tiles.shape[0]):
-        _backward_tile_simd(g4, x4, wt, ig4, partials, tiles, np.int64(unit), stride, D,
-                            rows[get_thread_id()])
-    reduce_weight_grad(partials, wg)
+    unit, end = claim(work, tiles.shape[0])
+    while unit < end:
+        _backward_tile_simd(g4, x4, wt, ig4, partials, tiles, unit, stride, D, rows[slot])
+        unit, end = next_unit(work, unit, end, tiles.shape[0])
     return True
 
 
@@ -794,8 +811,8 @@ def _infer_writer(x, wt, cache, slots, source, D, i, row):
             cache[0, slot, n, e] = narrow(acc[n, e], cache)
 
 
-@jit_parallel
-def compress_infer(x, w, cache, slots, source, D, scratch):
+@jit
+def compress_infer(work, slot, x, w, cache, slots, source, D, scratch):
     """cache[0, slots[i], n] = sum_j wt[n, j] * x[page, row, n] over the (page, row) pairs
     ``source[i, j]`` of writer i's window, j in order: the with-cache operator
     (``_infer``). A unit is one writer, all heads: it reads its window's token rows
@@ -804,16 +821,7 @@ def compress_infer(x, w, cache, slots, source, D, scratch):
     window order, so a window gives the same bits here as there.
     """
     wt = weight_table(w)
-    for unit in prange(slots.shape[0]):
-        _infer_writer(x, wt, cache, slots, source, D, np.int64(unit),
-                      scratch[get_thread_id()])
-
-
-@jit
-def compress_infer_serial(x, w, cache, slots, source, D, scratch):
-    """``compress_infer`` on the calling thread, for steps with one unit's worth of
-    work (a typical decoding step: a few writers): no thread pool to size and wake.
-    Same sums, same bits."""
-    wt = weight_table(w)
-    for i in range(slots.shape[0]):
-        _infer_writer(x, wt, cache, slots, source, D, i, scratch[0])
+    unit, end = claim(work, slots.shape[0])
+    while unit < end:
+        _infer_writer(x, wt, cache, slots, source, D, unit, scratch[slot])
+        unit, end = next_unit(work, unit, end, slots.shape[0])

@@ -35,10 +35,9 @@ boundary.
 
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 
-from . import _attention, _pool, _seqlens, _threading
+from . import _attention, _launch, _pool, _seqlens
 from ._errors import invalid, missing, tiling
 from ._jit import jit
 from ._plan import (ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, check_array,
@@ -551,11 +550,11 @@ def select_steps(plan, workspace=None, threads=None):
     st = plan.storage
     staged = (w["kt"], empty, w["vrow"], empty) if plan.op == "select" else \
         (w["kt"], w["krow"], empty, w["vt"])
-    steps = [("stage", lambda: _launch(_attention.select_stage, useful, 1, st("key"),
-                                       st("value"), plan.block_row, plan.block, plan.padded,
-                                       *staged))]
+    steps = [("stage", lambda: _launch.any_layout(
+        _attention.select_stage, useful, 1, st("key"), st("value"), plan.block_row, plan.block,
+        plan.padded, *staged))]
     if plan.op == "select":
-        steps.append(("forward", lambda: _launch(
+        steps.append(("forward", lambda: _launch.any_layout(
             _attention.select_forward, useful, TOKEN_CHUNK, st("query"), plan.topk,
             plan.q_starts, plan.blk_starts, w["kt"], w["vrow"], st("attention_out"),
             plan.arrays["softmax_max"], plan.arrays["softmax_sum"], w["scratch"],
@@ -564,7 +563,7 @@ def select_steps(plan, workspace=None, threads=None):
     common = (st("query"), st("grad"), st("attention_out"), plan.arrays["softmax_max"],
               plan.arrays["softmax_sum"], plan.topk, plan.q_starts, plan.blk_starts)
     if plan.units:
-        steps.append(("dq", lambda: _launch(
+        steps.append(("dq", lambda: _launch.any_layout(
             _attention.select_grad_dq, useful, TOKEN_CHUNK, *common, w["kt"], w["krow"],
             w["vt"], st("dq"), w["scratch"], w["index"], plan.G, plan.block, plan.padded,
             scale, plan.causal)))
@@ -576,42 +575,8 @@ def select_steps(plan, workspace=None, threads=None):
         w["order"][:] = np.argsort(-np.diff(w["offsets"]), kind="stable")
 
     steps.append(("index", index))
-    steps.append(("dk dv", lambda: _launch(
+    steps.append(("dk dv", lambda: _launch.any_layout(
         _attention.select_grad_dkdv, useful, 1, *common, plan.block_row, plan.tails,
         w["offsets"], w["entries"], w["order"], w["kt"], w["vt"], st("dk"), st("dv"),
         w["scratch"], w["index"], plan.G, plan.block, plan.padded, scale, plan.causal)))
     return steps
-
-
-def _launch(kernel, threads, chunk, *args):
-    """``kernel(*args)`` on at most ``threads`` threads, handing out ``chunk`` units of
-    its parallel loop at a time."""
-    previous = numba.set_parallel_chunksize(chunk)
-    try:
-        _threading.launch(_entry(kernel, args), threads, *args)
-    finally:
-        numba.set_parallel_chunksize(previous)
-
-
-#: compiled entry points by (kernel, argument types): a few per kernel and dtype
-_entries = {}
-
-
-def _entry(kernel, args):
-    """The compiled ``kernel`` for ``args`` with every 3- or 4-axis array (and 2-axis
-    uint8 mask) typed as of any layout: the kernels read and write those arrays an
-    element at a time, where the layout costs nothing, and one variant per dtype
-    serves every memory order (each other layout would compile again for seconds:
-    docs/design.md, "What a kernel costs to compile")."""
-    types = tuple(_any_layout(numba.typeof(a)) for a in args)
-    fn = _entries.get((kernel, types))
-    if fn is None:
-        fn = _entries[kernel, types] = kernel.compile(types)
-    return fn
-
-
-def _any_layout(t):
-    if isinstance(t, numba.types.Array) and (t.ndim in (3, 4) or (
-            t.ndim == 2 and t.dtype == numba.types.uint8)):     # and masks
-        return numba.types.Array(t.dtype, t.ndim, "A", aligned=t.aligned)
-    return t

@@ -17,7 +17,7 @@ import numpy as np
 from . import _firstrun, _simd, api
 from ._firstrun import cache_dir
 from ._seqlens import window_counts
-from ._threading import threads
+from ._launch import threads
 
 #: the dtypes ``warmup`` knows, by their short names
 DTYPES = ("bf16", "fp16", "fp32", "fp64")
@@ -85,7 +85,7 @@ def _steps(dtype, strided):
 
     def attention():
         # two sequences, G = 2, a block of 16 (whole tiles) and a causal mask; arrays of
-        # any memory order share the one variant (_select._entry)
+        # any memory order share the one variant (_launch.any_layout)
         ends, topk = [64, 128], np.zeros((128, 1, 2), np.int32)
         topk[:, 0, 1] = np.arange(128) % 64 // 16
         q, k, v = data(128, 2, 32), data(128, 1, 32), data(128, 1, 16)

@@ -64,15 +64,11 @@ def reference(world_size):
 
 def record_launch_threads():
     """A list that receives, for every training kernel launch this process makes from
-    now on, (Numba's thread count while the kernel ran, the threads its work could
-    have used: ``Recipe.useful``)."""
-    from dataclasses import replace
-
-    import numba
-
-    from nsa_numba import _dispatch, _threading
+    now on, (the threads the launch could use, the threads its work could have used:
+    ``Recipe.useful``)."""
+    from nsa_numba import _dispatch, _launch
     seen = []
-    run_recipe, run_kept, threaded = _dispatch.launch, _dispatch.run_prepared, _threading.launch
+    run_recipe, run_kept, run = _dispatch.launch, _dispatch.run_prepared, _launch.run
 
     def recording_recipe(recipe, *args, **kwargs):
         seen.append([None, recipe.useful])
@@ -80,20 +76,15 @@ def record_launch_threads():
 
     def recording_kept(prepared, threads, *views):      # a call that came again
         seen.append([None, prepared.useful])
+        return run_kept(prepared, threads, *views)
 
-        def entry_recorded(*args):
-            seen[-1][0] = numba.get_num_threads()
-            return prepared.kernel(*args)
-        return run_kept(replace(prepared, kernel=entry_recorded), threads, *views)
-
-    def recording_launch(kernel, threads, *args):
-        def kernel_recorded(*args):
-            seen[-1][0] = numba.get_num_threads()
-            return kernel(*args)
-        return threaded(kernel_recorded, threads, *args)
+    def recording_run(kernel, threads, chunk, *args):
+        count = _launch.count()
+        seen[-1][0] = count if threads is None else min(threads, count)
+        return run(kernel, threads, chunk, *args)
 
     _dispatch.launch, _dispatch.run_prepared = recording_recipe, recording_kept
-    _threading.launch = recording_launch
+    _launch.run = recording_run
     return seen
 
 

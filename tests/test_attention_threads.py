@@ -51,7 +51,9 @@ SCRIPT = textwrap.dedent("""
                                             softmax_sum=s_, attention_in=o,
                                             scale_value=0.125, **kw)[:3]
     out["fusion"] = digest((o, m, s_, *grads))
-    out["threads"] = numba.get_num_threads()
+    from nsa_numba import _launch
+    out["threads"] = _launch.count()
+    out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))
 """)
 
@@ -63,6 +65,7 @@ def _digests(threads):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result.pop("threads") == threads
+    assert result.pop("helpers") == threads - 1       # every thread was there to take units
     return result
 
 

@@ -14,7 +14,7 @@ import pytest
 SCRIPT = r"""
 import sys
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels, _tiles
+from nsa_numba import _dispatch, _jit, _kernels, _launch, _tiles
 from nsa_numba._plan import Rules, plan_forward
 
 assert _jit.BOUNDSCHECK
@@ -29,10 +29,9 @@ tiles[:, _tiles.I1] += 5
 _, scratch = _dispatch.carve(plan, _dispatch.new_workspace(plan))
 try:
     x, out = plan.storage("input"), plan.storage("out")
-    getattr(_kernels, sys.argv[1])(x, plan.storage("weight"), out, scratch,
-                                   np.array([x.shape, out.shape]), tiles, 16, D, False)
+    _launch.run(getattr(_kernels, sys.argv[1]), 1, 1, x, plan.storage("weight"), out, scratch,
+                np.array([x.shape, out.shape]), tiles, 16, D, False)
 except Exception as err:
-    # a parallel region re-raises it as SystemError with the IndexError as its cause
     chain = [err, err.__cause__, err.__context__]
     assert any(isinstance(e, IndexError) for e in chain), repr(chain)
     print("raised")
@@ -53,7 +52,7 @@ def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
 
 BACKWARD_SCRIPT = r"""
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels, _tiles
+from nsa_numba import _dispatch, _jit, _kernels, _launch, _tiles
 from nsa_numba._plan import Rules, plan_grad
 
 assert _jit.BOUNDSCHECK
@@ -75,10 +74,9 @@ tiles[0, _tiles.G1] = 4
 short = plan.storage("input")[:, :40]
 try:
     g, ig = plan.storage("grad"), plan.storage("input_grad")
-    _kernels.compress_backward_simd(g, short, plan.storage("weight"), ig,
-                                    plan.storage("weight_grad"), partials, scratch,
-                                    np.array([g.shape, short.shape, ig.shape]), tiles, 16,
-                                    64, False)
+    _launch.run(_kernels.compress_backward_simd, 1, 1, g, short, plan.storage("weight"), ig,
+                plan.storage("weight_grad"), partials, scratch,
+                np.array([g.shape, short.shape, ig.shape]), tiles, 16, 64, False)
 except Exception as err:
     chain = [err, err.__cause__, err.__context__]
     assert any(isinstance(e, IndexError) for e in chain), repr(chain)

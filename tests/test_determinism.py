@@ -31,8 +31,9 @@ SCRIPT = textwrap.dedent("""
         dx, dw = nsa_numba.nsa_compress_grad(g, x, w, p["block"], p["stride"],
                                              actual_seq_len=p["seq"])
         out[name] = [hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)]
-    out["threads"] = numba.get_num_threads()
-    out["layer"] = numba.threading_layer()
+    from nsa_numba import _launch
+    out["threads"] = _launch.count()
+    out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))
 """)
 
@@ -63,44 +64,32 @@ def test_same_bits_for_every_thread_count():
     for threads in (1, 2, 3, 8):
         got = run_in_subprocess({"NUMBA_NUM_THREADS": str(threads)})
         assert got["threads"] == threads
+        assert got["helpers"] == threads - 1        # every thread was there to take units
         for name in DTYPE_IDS:
             assert got[name] == here[name], (name, threads)
 
 
 def test_threads_caps_the_calls_in_its_block(monkeypatch):
-    from dataclasses import replace
-
     import numba
 
-    from nsa_numba import _dispatch, _threading
-    seen = []                   # Numba's thread count while each kernel ran
-    real_call, real_kept = _threading.call_with_threads, _dispatch.run_prepared
+    from nsa_numba import _launch
+    seen = []                   # the threads each launch could use
+    real_run = _launch.run
 
-    def recorded(fn):
-        def run(*args):
-            seen.append(numba.get_num_threads())
-            return fn(*args)
-        run.recorded = True
-        return run
+    def recording_run(kernel, threads, chunk, *args):
+        seen.append(_launch.count() if threads is None else min(threads, _launch.count()))
+        return real_run(kernel, threads, chunk, *args)
 
-    def recording_call(limit, fn, *args):           # any launch with a count to cap
-        return real_call(limit, fn if getattr(fn, "recorded", False) else recorded(fn),
-                         *args)
-
-    def recording_kept(prepared, threads, *views):      # a call that came again
-        return real_kept(replace(prepared, kernel=recorded(prepared.kernel)), threads, *views)
-
-    monkeypatch.setattr(_threading, "call_with_threads", recording_call)
-    monkeypatch.setattr(_dispatch, "run_prepared", recording_kept)
+    monkeypatch.setattr(_launch, "run", recording_run)
     data = random_problem(**PROBLEM, dtype=DTYPES[0])
     pool = numba.config.NUMBA_NUM_THREADS
-    before = numba.get_num_threads()
+    before = _launch.count()
     with nsa_numba.threads(1):
         capped = _digests(*data)
         with nsa_numba.threads(pool):
-            assert numba.get_num_threads() == pool
-        assert numba.get_num_threads() == 1
-    assert numba.get_num_threads() == before
+            assert _launch.count() == pool
+        assert _launch.count() == 1
+    assert _launch.count() == before
     assert seen == [1, 1]                     # the forward and backward launches
     assert capped == _digests(*data)
     for bad in (0, -1, 1.0, True, "2"):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from nsa_numba import _dispatch, _kernels, _plan, _simd
+from nsa_numba import _launch as launcher
 from nsa_numba.api import nsa_compress
 from nsa_numba._plan import Rules, plan_forward, plan_grad
 from conftest import DTYPE_IDS, DTYPES, assert_forward_accurate, random_problem
@@ -52,7 +53,10 @@ def _launch(kernel, plan, scratch, partials=None):
     arrays, _ = _dispatch.kernel_arrays(plan, views)
     dims = np.array([v.shape for v in views if v.ndim == 4], np.int64)
     extra = (scratch,) if partials is None else (partials, scratch)
-    assert kernel(*arrays, *extra, dims, plan.tiles, plan.stride, plan.D, False)
+    args = (*arrays, *extra, dims, plan.tiles, plan.stride, plan.D, False)
+    assert launcher.run(kernel, 1, 1, *args)
+    if partials is not None:
+        launcher.finish(kernel, *args)
     return views
 
 

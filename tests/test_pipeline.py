@@ -11,7 +11,7 @@ import pytest
 
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
-from nsa_numba import NsaError, _dispatch, _operators, _pipeline, _pool, _threading, api
+from nsa_numba import NsaError, _dispatch, _launch, _operators, _pipeline, _pool, api
 
 L, S = 32, 16
 T, N, D = 300, 4, 32
@@ -232,18 +232,18 @@ def test_a_call_inside_a_call_gets_its_own_scratch(plans, monkeypatch):
     # be) must not use the scratch that run is using.
     x, w, g = good(np.float32)
     expected = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
-    real = _threading.launch
+    real = _launch.run
     inner = []
 
-    def launch_and_interrupt(kernel, threads, *args):
-        result = real(kernel, threads, *args)     # the outer backward's partials are written
+    def launch_and_interrupt(kernel, threads, chunk, *args):
+        result = real(kernel, threads, chunk, *args)    # the outer backward's partials written
         if not inner:
             inner.append(None)
             inner[0] = nsa_numba.nsa_compress_grad(g[::-1].copy(), x, w, L, S,
                                                    actual_seq_len=SEQ)
         return result
 
-    monkeypatch.setattr(_threading, "launch", launch_and_interrupt)
+    monkeypatch.setattr(_launch, "run", launch_and_interrupt)
     got = nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
     assert inner[0] is not None and all(np.array_equal(a, b) for a, b in zip(got, expected))
     assert not _dispatch._thread_scratch.busy
@@ -289,20 +289,12 @@ def test_any_weight_array_runs_the_kernels_compiled_for_one(plans):
     assert sum(len(k.signatures) for k in kernels) == compiled
 
 
-def test_calls_with_work_for_every_thread_launch_their_entry_directly(plans, monkeypatch):
-    # a call that comes again with work for the whole pool skips the Python thread
-    # count handling: same bits as the full way, and no launch through _threading
+def test_calls_with_work_for_every_thread_that_come_again_match_the_full_way(plans):
+    # the prepared calls (kept after a first call) give the full way's bits with
+    # work for every thread
     import numba
     rng = np.random.default_rng(5)
     seq = [0, 3000, 6000]
-    launches = []
-    real = _threading.launch
-
-    def counting(kernel, threads, *args):
-        launches.append(kernel)
-        return real(kernel, threads, *args)
-
-    monkeypatch.setattr(_threading, "launch", counting)
     for seed in range(2):
         x = rng.standard_normal((6000, 3, 64)).astype(ml_dtypes.bfloat16)
         w = rng.standard_normal((L, 3)).astype(ml_dtypes.bfloat16)
@@ -312,11 +304,7 @@ def test_calls_with_work_for_every_thread_launch_their_entry_directly(plans, mon
         assert_forward_accurate(y, x, w, L, S, seq)
         assert_grad_accurate(gx, gw, g, x, w, L, S, seq)
     kept = _pipeline.prepared_calls()
-    assert len(kept) == 2 and all(k.useful >= numba.config.NUMBA_NUM_THREADS
-                                  and k.all_threads for k in kept)
-    # the first calls', planned the full way (and, where the threading layer takes
-    # no concurrent launches, every call: those all go through its lock)
-    assert len(launches) == (2 if _threading.concurrent else 4)
+    assert len(kept) == 2 and all(k.useful >= numba.config.NUMBA_NUM_THREADS for k in kept)
     assert np.array_equal(bits(full_way(nsa_numba.nsa_compress, x, w, L, S,
                                         actual_seq_len=seq)), bits(y))
     full = full_way(nsa_numba.nsa_compress_grad, g, x, w, L, S, actual_seq_len=seq)

@@ -221,7 +221,9 @@ SCRIPT = textwrap.dedent("""
         grads = nsa_numba.nsa_select_attention_grad(g, *arrays[:3], *res, arrays[3], scale,
                                                     p["N1"], p["block"], p["count"], **kw)
         out[name] = [hashlib.sha256(a.tobytes()).hexdigest() for a in (*res, *grads)]
-    out["threads"] = numba.get_num_threads()
+    from nsa_numba import _launch
+    out["threads"] = _launch.count()
+    out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))
 """)
 
@@ -234,6 +236,7 @@ def _digests(threads, dtypes):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result.pop("threads") == threads
+    assert result.pop("helpers") == threads - 1       # every thread was there to take units
     return result
 
 

@@ -137,8 +137,8 @@ def test_calls_use_at_most_torchs_thread_count():
     import numba
 
     from ddp_train import record_launch_threads
-    from nsa_numba import _dispatch, _threading
-    real = _dispatch.launch, _dispatch.run_prepared, _threading.launch
+    from nsa_numba import _dispatch, _launch
+    real = _dispatch.launch, _dispatch.run_prepared, _launch.run
     seen = record_launch_threads()
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(4096, 4, 32, generator=gen).to(torch.bfloat16)   # work for 2 threads
@@ -155,10 +155,10 @@ def test_calls_use_at_most_torchs_thread_count():
                           *npu_nsa_compress_grad(g, x, w, 32, 16, actual_seq_len=seq))
     finally:
         torch.set_num_threads(before)
-        _dispatch.launch, _dispatch.run_prepared, _threading.launch = real
+        _dispatch.launch, _dispatch.run_prepared, _launch.run = real
     assert len(seen) == 4 and all(useful >= 2 for _, useful in seen), seen
     assert [ran for ran, _ in seen] == [1, 1, min(2, pool), min(2, pool)]
-    assert numba.get_num_threads() == pool          # restored after each call
+    assert _launch.count() == pool                  # the caller's own count untouched
     for a, b in zip(results[1], results[2]):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 

@@ -10,6 +10,7 @@ from .. import _pool
 from .cases import (CMP_CASES, DEFAULT_SHAPES, DTYPES, FUSION_CASES, INFER_CASES,
                     NON_CONTIGUOUS, OVERHEAD_SHAPE, SELECT_CASES, Case, numpy_dtype,
                     parse_shape)
+from .. import _launch
 from .harness import CacheFlush, copy_task, read_task
 from .reports import (format_infer, format_input_reads, format_overhead, format_table,
                       markdown_table, plot_results)
@@ -17,14 +18,22 @@ from .runs import TO_LAUNCH_ROUNDS, overhead, python_to_launch, run_case, run_in
 
 
 def main(args):
+    before = _launch.set_count(0)
+    try:
+        return _main(args)
+    finally:
+        _launch.set_count(before)
+
+
+def _main(args):
     if args.threads is not None:
         if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
             print(f"--threads must be between 1 and NUMBA_NUM_THREADS = "
                   f"{numba.config.NUMBA_NUM_THREADS} (set that variable to allow more)",
                   file=sys.stderr)
             return 2
-        numba.set_num_threads(args.threads)
-    threads = numba.get_num_threads()
+        _launch.set_count(args.threads)
+    threads = _launch.count()
     if args.markdown:
         runs = []
         for path in args.markdown:

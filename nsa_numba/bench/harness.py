@@ -5,21 +5,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import prange
-
-from .._jit import jit_parallel
+from .. import _launch
+from .._jit import jit
 
 
 _COPY_CHUNK = 1 << 16
 
 
-@jit_parallel
-def _parallel_copy(src, dst):
+@jit
+def _copy(work, slot, src, dst):
     chunks = (src.size + _COPY_CHUNK - 1) // _COPY_CHUNK
-    for c in prange(chunks):
-        start = np.int64(c) * _COPY_CHUNK
+    c, end = _launch.claim(work, chunks)
+    while c < end:
+        start = c * _COPY_CHUNK
         stop = min(src.size, start + _COPY_CHUNK)
         dst[start:stop] = src[start:stop]
+        c, end = _launch.next_unit(work, c, end, chunks)
 
 
 def best_time(fn, repeat):
@@ -45,12 +46,15 @@ def round_times(fns, repeat, settle=None):
     return times
 
 
-@jit_parallel
-def _read_all(buffer):
+@jit
+def _read_all(work, slot, buffer):
     total = np.uint64(0)
-    for c in prange((buffer.size + _COPY_CHUNK - 1) // _COPY_CHUNK):
+    chunks = (buffer.size + _COPY_CHUNK - 1) // _COPY_CHUNK
+    c, end = _launch.claim(work, chunks)
+    while c < end:
         for i in range(c * _COPY_CHUNK, min(buffer.size, (c + 1) * _COPY_CHUNK)):
             total += buffer[i]
+        c, end = _launch.next_unit(work, c, end, chunks)
     return total
 
 
@@ -59,16 +63,26 @@ def _read_all(buffer):
 _INPUT_READ_CHUNK = 256 << 10
 
 
-@jit_parallel
-def _read_words(words, chunk):
-    """XOR of ``words`` (uint64), in parallel chunks of ``chunk`` words."""
-    total = np.uint64(0)
-    for c in prange((words.size + chunk - 1) // chunk):
+@jit
+def _read_words(work, slot, words, chunk, totals):
+    """Into ``totals[slot]``: the sum of the XORs of the chunks of ``chunk`` words
+    (uint64) of ``words`` this thread took."""
+    chunks = (words.size + chunk - 1) // chunk
+    c, end = _launch.claim(work, chunks)
+    while c < end:
         part = np.uint64(0)
         for i in range(c * chunk, min(words.size, (c + 1) * chunk)):
             part ^= words[i]
-        total += part
-    return total
+        totals[slot] += part
+        c, end = _launch.next_unit(work, c, end, chunks)
+
+
+def _read_sum(words, chunk):
+    """The sum over ``words``' chunks of ``chunk`` words of each chunk's XOR, the
+    chunks shared out over the threads."""
+    totals = np.zeros(_launch.ceiling(), np.uint64)
+    _launch.run(_read_words, None, 1, words, chunk, totals)
+    return totals.sum(dtype=np.uint64)
 
 
 def input_read_task(x):
@@ -77,7 +91,7 @@ def input_read_task(x):
     if not x.flags.c_contiguous or x.nbytes % 8:
         return None
     words = x.reshape(-1).view(np.uint64)
-    return (lambda: _read_words(words, _INPUT_READ_CHUNK // 8)), x.nbytes
+    return (lambda: _read_sum(words, _INPUT_READ_CHUNK // 8)), x.nbytes
 
 
 class CacheFlush:
@@ -89,7 +103,7 @@ class CacheFlush:
         self.buffer = np.ones(nbytes, np.uint8)
 
     def __call__(self):
-        _read_all(self.buffer)
+        _launch.run(_read_all, None, 1, self.buffer)
 
 
 def copy_task(nbytes):
@@ -98,7 +112,7 @@ def copy_task(nbytes):
     nbytes = max(int(nbytes), 64 << 20)
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    return (lambda: _parallel_copy(src, dst)), 2 * nbytes
+    return (lambda: _launch.run(_copy, None, 1, src, dst)), 2 * nbytes
 
 
 def read_task(nbytes, threads):
