@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import hashlib, json
     import numba, numpy as np
@@ -69,6 +71,7 @@ def _digests(threads):
     return result
 
 
+@pytest.mark.slow
 def test_compressed_and_fusion_attention_same_bits_on_one_two_and_three_threads():
     one, two, three = (_digests(n) for n in (1, 2, 3))
     for op in ("compressed", "fusion"):

@@ -18,6 +18,7 @@ from nsa_numba import _dispatch, _pipeline  # noqa: E402
 from nsa_numba import bench as nsa_bench  # noqa: E402
 
 
+@pytest.mark.slow
 def test_history_config_builds_this_commit():
     # asv.conf.json's virtualenv, build and install commands on the checked-out commit
     # (dependencies from PyPI), one benchmark once
@@ -52,6 +53,7 @@ def test_benchmark_classes_run_once(cls):
             getattr(bench, name)(shape, "bf16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [suite.Throughput, suite.Memory])
 def test_shared_measurement_classes_run_once(cls):
     shape = suite.PARAMS[0][0]
@@ -80,6 +82,7 @@ def test_infer_benchmark_runs():
         bench.time_step(case, "fp16")
 
 
+@pytest.mark.slow
 def test_bench_infer_command(tmp_path):
     out = tmp_path / "infer.json"
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--infer", "--dtype",
@@ -108,6 +111,7 @@ def test_torch_overhead_benchmark_runs():
                 assert value > 0
 
 
+@pytest.mark.slow
 def test_bench_overhead_command():
     pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--overhead",
@@ -134,6 +138,7 @@ def test_first_call_snippet_runs():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_command_small_case(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -177,6 +182,7 @@ def test_bench_read_yardstick(tmp_path):
     assert result["read_gbs"] > 0
 
 
+@pytest.mark.slow
 def test_bench_reads_each_cases_own_input(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -308,6 +314,7 @@ def test_visible_keys_counts_what_the_mask_leaves():
     assert visible_keys(topk, [3], 2, causal=False) == 12
 
 
+@pytest.mark.slow
 def test_bench_select_command(tmp_path):
     out = tmp_path / "select.json"
     proc = subprocess.run([sys.executable, "-m", "nsa_numba", "bench", "--select",

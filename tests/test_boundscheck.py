@@ -38,6 +38,7 @@ except Exception as err:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel,D", [("compress_forward_rows", 16),
                                       ("compress_forward_simd", 128)])
 def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
@@ -84,6 +85,7 @@ except Exception as err:
 """
 
 
+@pytest.mark.slow
 def test_boundscheck_mode_covers_the_backward_vectors():
     env = dict(os.environ, NSA_NUMBA_BOUNDSCHECK="1")
     child = subprocess.run([sys.executable, "-c", BACKWARD_SCRIPT], env=env,

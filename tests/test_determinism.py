@@ -56,6 +56,7 @@ def run_in_subprocess(env_extra, dtypes=DTYPE_IDS):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_same_bits_for_every_thread_count():
     here = {}
     for dtype, name in zip(DTYPES, DTYPE_IDS):

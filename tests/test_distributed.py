@@ -25,6 +25,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
 def test_ddp_training_matches_one_process_bitwise(tmp_path):
     # the single-process run first: it also leaves the kernels compiled in the disk

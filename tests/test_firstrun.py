@@ -91,6 +91,7 @@ def cold(tmp_path):
     return run
 
 
+@pytest.mark.slow
 def test_a_cold_cache_says_what_compiles_once(cold, tmp_path):
     first = cold(code=FORWARD).stderr.splitlines()
     assert first[0].startswith("nsa_numba: compiling the planning helper ")
@@ -105,10 +106,12 @@ def test_a_cold_cache_says_what_compiles_once(cold, tmp_path):
     assert cold(code=FORWARD).stderr == ""              # warm: nothing
 
 
+@pytest.mark.slow
 def test_silenced_by_the_environment(cold):
     assert cold(code=FORWARD, NSA_NUMBA_QUIET="1").stderr == ""
 
 
+@pytest.mark.slow
 def test_warmup_compiles_what_calls_need(cold):
     proc = cold("warmup", "--dtype", "fp32", "--strided", "--times")
     lines = proc.stdout.splitlines()
@@ -131,6 +134,7 @@ def test_warmup_compiles_what_calls_need(cold):
     assert again[-1].startswith("nothing compiled: the kernel cache is warm")
 
 
+@pytest.mark.slow
 def test_warmup_covers_a_torch_training_step(cold):
     # warmup as the README says, then a first training step: nothing left to compile
     # (the backward's gradients come from contractions, in their own memory order)
@@ -149,6 +153,7 @@ def test_warmup_covers_a_torch_training_step(cold):
 DEMO_BUDGET = {"the planning helper": 3, "the kernel": 2}
 
 
+@pytest.mark.slow
 def test_the_demo_compiles_within_its_budget(cold):
     lines = cold("demo").stderr.splitlines()
     compiled = [line.split(" ", 2)[2] for line in lines if line.startswith("nsa_numba: ")]
@@ -182,6 +187,7 @@ for step in range(2):
 """
 
 
+@pytest.mark.slow
 def test_a_selected_attention_step_compiles_within_its_budget(cold):
     lines = cold(code=SELECT_STEP).stderr.splitlines()
     compiled = [line.split(" ", 2)[2].split(" (")[0] for line in lines
@@ -238,6 +244,7 @@ for lengths in ([200, 120], [96, 256]):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step, budget", [(CMP_STEP, CMP_BUDGET), (FUSION_STEP, FUSION_BUDGET)],
                          ids=["compressed", "window"])
 def test_a_dense_attention_step_compiles_within_its_budget(cold, step, budget):
@@ -257,6 +264,7 @@ print(out.getvalue())
 """
 
 
+@pytest.mark.slow
 def test_warmup_in_processes_compiles_each_dtype_once(cold):
     # the decoding kernels only: the processes and the merged table are what is tested
     lines = cold(code=WARMUP_IN_PROCESSES).stdout.splitlines()

@@ -104,6 +104,7 @@ def _as_tnd(a, p):
     return a4.reshape(a4.shape[0] * a4.shape[1], *a4.shape[2:])
 
 
+@pytest.mark.slow
 @given(problems())
 def test_generated_problem_matches_reference(p):
     check_problem(p)
@@ -191,6 +192,7 @@ def infer_problems(draw):
                 slots=slots, memory=memory, index_type=index_type, seed=seed)
 
 
+@pytest.mark.slow
 @given(infer_problems())
 def test_generated_decoding_step_matches_reference(p):
     check_decoding_step(p)
@@ -274,6 +276,7 @@ def select_problems(draw):
                 given_ends=draw(st.booleans()) or len(q) > 1, seed=seed)
 
 
+@pytest.mark.slow
 @given(select_problems())
 def test_generated_selected_attention_matches_reference(p):
     check_select(p)
@@ -364,6 +367,7 @@ def _compressed_mask(p, rng, rows, cols):
             "leading": lambda: c < (s * p["band"]) // 8}[p["masked"]]()
 
 
+@pytest.mark.slow
 @given(compress_attention_problems())
 def test_generated_compressed_attention_matches_reference(p):
     from test_compress_attention import compressed_gradient
@@ -475,6 +479,7 @@ def _band(rows, cols, width):
     return (j > i) | (j <= i - width)
 
 
+@pytest.mark.slow
 @given(fusion_problems())
 def test_generated_fusion_attention_matches_reference(p):
     check_fusion(p)

@@ -227,6 +227,7 @@ def _other_cpus():
 OTHER_CPUS = _other_cpus()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings,expected", [c[1:] for c in OTHER_CPUS],
                          ids=[c[0] for c in OTHER_CPUS])
 def test_kernels_on_other_cpus_match(settings, expected):

@@ -127,6 +127,7 @@ spaces = {
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 def test_the_window_branch_holds_no_weights_matrix():
@@ -163,6 +164,7 @@ spaces = {
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 def test_many_short_sequences_run_in_bounded_memory():

@@ -205,6 +205,7 @@ def test_a_buffer_too_small_for_any_request_is_let_go(kept, monkeypatch):
     del a, held
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("kind,steps", [("numpy", 30), ("torch", 30), ("attention", 8)])
 def test_a_loop_whose_length_changes_every_step_holds_at_most_two_outputs_more(kind, steps):

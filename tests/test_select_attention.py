@@ -240,6 +240,7 @@ def _digests(threads, dtypes):
     return result
 
 
+@pytest.mark.slow
 def test_same_bits_for_one_two_and_three_threads():
     names = ["bfloat16", "float32"]
     digests = [_digests(n, names) for n in (1, 2, 3)]

@@ -86,6 +86,7 @@ def test_gradcheck_float64():
         lambda a, b: npu_nsa_compress(a, b, 32, 16, actual_seq_len=[0, 50, 96]), (x, w))
 
 
+@pytest.mark.slow
 def test_gradgradcheck_float64():
     # second derivatives: the gradient operator has autograd of its own
     gen = torch.Generator().manual_seed(8)

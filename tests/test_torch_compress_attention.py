@@ -109,6 +109,7 @@ def test_opcheck_both_operators():
     torch.library.opcheck(torch.ops.nsa_numba.fusion_attention_grad.default, grad_args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("holes", [False, True], ids=["causal", "holes"])
 def test_float64_gradcheck(holes):
     lengths = [150, 100]

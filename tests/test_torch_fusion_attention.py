@@ -78,6 +78,7 @@ def test_opcheck_both_operators():
     torch.library.opcheck(torch.ops.nsa_numba.fusion_attention_grad.default, grad_args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["band", "holes", "bsh"])
 def test_float64_gradcheck(case):
     if case == "bsh":
