@@ -12,10 +12,10 @@ window branch.
 """
 
 from . import _firstrun
-from ._errors import NsaError
+from ._core.errors import NsaError
 from ._firstrun import compile_messages
-from ._launch import threads
-from ._pool import keep_outputs, release_outputs
+from ._core.launch import threads
+from ._core.pool import keep_outputs, release_outputs
 from .api import (fusion_attention, fusion_attention_grad, nsa_compress,
                   nsa_compress_attention, nsa_compress_attention_grad, nsa_compress_grad,
                   nsa_compress_infer, nsa_select_attention, nsa_select_attention_grad)

@@ -87,7 +87,9 @@ def info(args):
     import numba
 
     import nsa_numba
-    from nsa_numba import _halfprec, _kernels, _launch, _pool, _simd, _target
+    from nsa_numba._core import launch as _launch, pool as _pool
+    from nsa_numba._kernels import compress as _kernels, halfprec as _halfprec, simd as _simd
+    from nsa_numba._kernels import target as _target
 
     cache = getattr(_kernels.compress_forward, "_cache", None)
     budget = _pool.keep_outputs()

@@ -18,13 +18,13 @@ import time
 
 from numba.core import event
 
-from . import _config
+from ._core import config as _config
 
 _PACKAGE = __name__.rsplit(".", 1)[0]
 
 _enabled = not _config.quiet()
 _said_where = False
-#: the dtypes the kernels see arrays of each kind as (``_plan.STORAGE``), by the
+#: the dtypes the kernels see arrays of each kind as (``_ops.checks.STORAGE``), by the
 #: Numba name of that storage type: how a compile message names the call's dtype
 _KIND_OF_STORAGE = {"uint16": "float16", "int16": "bfloat16", "float32": "float32",
                     "float64": "float64"}
@@ -39,7 +39,7 @@ def compile_messages(enabled):
 
 def cache_dir():
     """Where the compiled kernels are kept, or None when the cache is off."""
-    from . import _kernels
+    from ._kernels import compress as _kernels
     cache = getattr(_kernels.compress_forward, "_cache", None)
     return getattr(cache, "_cache_path", None)
 

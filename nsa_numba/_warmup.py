@@ -14,10 +14,11 @@ import time
 
 import numpy as np
 
-from . import _firstrun, _simd, api
+from . import _firstrun, api
+from ._core.launch import threads
 from ._firstrun import cache_dir
-from ._seqlens import window_counts
-from ._launch import threads
+from ._kernels import simd as _simd
+from ._ops.seqlens import window_counts
 
 #: the dtypes ``warmup`` knows, by their short names
 DTYPES = ("bf16", "fp16", "fp32", "fp64")
@@ -62,7 +63,7 @@ def _steps(dtype, strided):
         return view(data(T, N, D)), data(32, N), data(windows, N, D), seq
 
     # each call twice: the second, like a training loop's next step, runs the
-    # prepared call through its kernel's entry (``_pipeline``), which compiles apart
+    # prepared call through its kernel's entry (``_ops.pipeline``), which compiles apart
     def forward(T, N, D, view=lambda a: a):
         x, w, _, seq = problem(T, N, D, view)
         for _ in range(2):

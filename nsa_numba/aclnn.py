@@ -23,8 +23,8 @@ message. On any failure no output element changes.
 
 The checks are the same code as ``nsa_numba.nsa_compress`` / ``nsa_compress_grad`` /
 ``nsa_compress_infer`` / ``nsa_select_attention`` / ``_grad`` /
-``nsa_compress_attention`` in strict mode (``_plan``, ``_infer``, ``_select``,
-``_compress_attention``), with the C parameter names, float16 / bfloat16 only, and
+``nsa_compress_attention`` in strict mode (``_ops.compress``, ``_ops.infer``, ``_ops.select``,
+``_ops.compress_attention``), with the C parameter names, float16 / bfloat16 only, and
 int32 ``slotMapping`` / ``blockTableOptional`` / ``topkIndices``; selected attention
 also takes ``inputLayout`` "TND" only and ``sparseMode`` 0 or 2, compressed attention
 "TND" and 0 or 1. Compressed attention has no gradient operator on the NPU (torch_npu
@@ -38,16 +38,29 @@ import threading
 
 import numpy as np
 
-from . import _pipeline
-from ._errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID,
-                      ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, NsaError)
-from ._infer import infer_rules
-from ._errors import invalid
-from ._compress_attention import compress_attention_rules
-from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER, SELECT,
-                         SELECT_GRAD)
-from ._plan import BFLOAT16, FLOAT16, Rules, overlaps
-from ._select import select_rules
+from ._core.errors import (
+    ACLNN_ERR_INNER,
+    ACLNN_ERR_INNER_TILING_ERROR,
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
+    ACLNN_SUCCESS,
+    NsaError,
+    invalid,
+)
+from ._ops import pipeline as _pipeline
+from ._ops.checks import BFLOAT16, FLOAT16, Rules, overlaps
+from ._ops.compress_attention import compress_attention_rules
+from ._ops.infer import infer_rules
+from ._ops.operators import (
+    COMPRESS,
+    COMPRESS_ATTENTION,
+    COMPRESS_GRAD,
+    COMPRESS_INFER,
+    SELECT,
+    SELECT_GRAD,
+)
+from ._ops.select import select_rules
 
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID",

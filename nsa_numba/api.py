@@ -1,15 +1,23 @@
 """The Python API, named after torch_npu / MindSpore's ``npu_nsa_compress`` and
 ``npu_nsa_compress_infer``."""
 
-from . import _pipeline
-from ._infer import infer_rules
-from ._compress_attention import compress_attention_rules
-from ._fusion import NO_BOUND, fusion_rules
-from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, COMPRESS_GRAD,
-                         FUSION_ATTENTION, FUSION_ATTENTION_GRAD,
-                         COMPRESS_INFER, SELECT, SELECT_GRAD)
-from ._plan import Rules
-from ._select import select_rules
+from ._ops import pipeline as _pipeline
+from ._ops.checks import Rules
+from ._ops.compress_attention import compress_attention_rules
+from ._ops.fusion import NO_BOUND, fusion_rules
+from ._ops.infer import infer_rules
+from ._ops.operators import (
+    COMPRESS,
+    COMPRESS_ATTENTION,
+    COMPRESS_ATTENTION_GRAD,
+    COMPRESS_GRAD,
+    COMPRESS_INFER,
+    FUSION_ATTENTION,
+    FUSION_ATTENTION_GRAD,
+    SELECT,
+    SELECT_GRAD,
+)
+from ._ops.select import select_rules
 
 _FORWARD, _GRAD = "nsa_compress", "nsa_compress_grad"
 #: one Rules object per operator and strictness: the pipeline knows calls that come

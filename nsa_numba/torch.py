@@ -52,21 +52,31 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version as _increment_version
 
-from . import _internals, _pipeline, _seqlens
-from ._errors import invalid, missing
-from ._infer import PY_NAMES as INFER_NAMES
-from ._infer import infer_rules
-from ._compress_attention import PY_NAMES as CMP_NAMES
-from ._compress_attention import compress_attention_rules
-from ._fusion import GRAD_NAMES as FUSION_GRAD_NAMES
-from ._fusion import FORWARD_NAMES as FUSION_NAMES
-from ._fusion import NO_BOUND as _NO_BOUND
-from ._fusion import fusion_rules
-from ._operators import (COMPRESS, COMPRESS_ATTENTION, COMPRESS_GRAD, COMPRESS_INFER,
-                         FUSION_ATTENTION, FUSION_ATTENTION_GRAD, SELECT, SELECT_GRAD)
-from ._plan import PY_NAMES, Rules, without_options
-from ._select import PY_NAMES as SELECT_NAMES
-from ._select import select_rules
+from ._core import internals as _internals
+from ._core.errors import invalid, missing
+from ._ops import pipeline as _pipeline
+from ._ops import seqlens as _seqlens
+from ._ops.checks import PY_NAMES, Rules, without_options
+from ._ops.compress_attention import PY_NAMES as CMP_NAMES
+from ._ops.compress_attention import compress_attention_rules
+from ._ops.fusion import FORWARD_NAMES as FUSION_NAMES
+from ._ops.fusion import GRAD_NAMES as FUSION_GRAD_NAMES
+from ._ops.fusion import NO_BOUND as _NO_BOUND
+from ._ops.fusion import fusion_rules
+from ._ops.infer import PY_NAMES as INFER_NAMES
+from ._ops.infer import infer_rules
+from ._ops.operators import (
+    COMPRESS,
+    COMPRESS_ATTENTION,
+    COMPRESS_GRAD,
+    COMPRESS_INFER,
+    FUSION_ATTENTION,
+    FUSION_ATTENTION_GRAD,
+    SELECT,
+    SELECT_GRAD,
+)
+from ._ops.select import PY_NAMES as SELECT_NAMES
+from ._ops.select import select_rules
 
 __all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "npu_nsa_compress",
            "npu_nsa_compress_attention", "npu_nsa_compress_grad",

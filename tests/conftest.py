@@ -6,9 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nsa_numba import _pool
+from nsa_numba._core import pool as _pool
 from nsa_numba import reference as ref
-from nsa_numba._jit import BOUNDSCHECK
+from nsa_numba._core.jit import BOUNDSCHECK
 
 
 #: the two halves of the kernels compiled side by side, of about equal compile time
@@ -48,7 +48,7 @@ def dtype(request):
 
 @pytest.fixture
 def kept(monkeypatch):
-    """The output pool (``_pool``) at the default budget, empty before and after."""
+    """The output pool (``_core.pool``) at the default budget, empty before and after."""
     monkeypatch.setattr(_pool, "_budget", 1 << 30)
     _pool.release_outputs()
     yield

@@ -66,7 +66,8 @@ def record_launch_threads():
     """A list that receives, for every training kernel launch this process makes from
     now on, (the threads the launch could use, the threads its work could have used:
     ``Recipe.useful``)."""
-    from nsa_numba import _dispatch, _launch
+    from nsa_numba._ops import dispatch as _dispatch
+    from nsa_numba._core import launch as _launch
     seen = []
     run_recipe, run_kept, run = _dispatch.launch, _dispatch.run_prepared, _launch.run
 

@@ -31,7 +31,7 @@ from nsa_numba.aclnn import (ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR,
                              aclnnNsaSelectedAttentionGetWorkspaceSize,
                              aclnnNsaSelectedAttentionGrad,
                              aclnnNsaSelectedAttentionGradGetWorkspaceSize)
-from nsa_numba._layouts import LAYOUTS
+from nsa_numba._ops.layouts import LAYOUTS
 from fuzzing import settings  # noqa: F401  (loads the profile)
 
 REJECTED = {ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_PARAM_INVALID}

@@ -241,7 +241,7 @@ def test_an_output_whose_elements_share_memory_is_refused():
 
 
 def test_self_overlap_is_decided_exactly_for_interleaved_strides():
-    from nsa_numba._plan import self_overlaps
+    from nsa_numba._ops.checks import self_overlaps
     base = np.zeros(64, np.float32)
     as_strided = np.lib.stride_tricks.as_strided
     assert not self_overlaps(as_strided(base, (2, 3), (12, 8)))   # 0 8 16 / 12 20 28

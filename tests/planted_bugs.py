@@ -37,9 +37,10 @@ class Bug:
 
 BUGS = [
     Bug("compressed attention's importance: first block off by one",
-        "nsa_numba/_attention.py", "lo = max(0, (first - 1) // m)", "lo = max(0, first // m)"),
+        "nsa_numba/_kernels/attention.py", "lo = max(0, (first - 1) // m)",
+        "lo = max(0, first // m)"),
     Bug("forwards and dq: weights rounded to bfloat16 before their products",
-        "nsa_numba/_attention.py",
+        "nsa_numba/_kernels/attention.py",
         "        _mm(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width, False)\n",
         "        like = np.zeros(1, np.int16)\n"
         "        for i in range(g * lds, (g + 4) * lds):\n"
@@ -47,50 +48,50 @@ BUGS = [
         "        _mm(w, g * lds, lds, 1, n, rows, b, 0, width, out, g * width, width, False)\n",
         "bfloat16"),
     Bug("forwards: a value of weight 0 summed after all (0 x NaN reaches the row)",
-        "nsa_numba/_attention.py", "                if gate[i] != 0:\n",
+        "nsa_numba/_kernels/attention.py", "                if gate[i] != 0:\n",
         "                if True:\n"),
     Bug("dense forward: softmax_max + 1000 on rows that see keys",
-        "nsa_numba/_attention.py",
+        "nsa_numba/_kernels/attention.py",
         "            _set_stats(smax, ssum, t, h0 + g, top, total)",
         "            _set_stats(smax, ssum, t, h0 + g, top + (1000 if state == SEES else 0), "
         "total)"),
     Bug("dense forward: a fully masked row's count one too many",
-        "nsa_numba/_attention.py",
+        "nsa_numba/_kernels/attention.py",
         "total = s.dtype.type(hi - lo if state == ALL_MASKED else NO_KEYS_SUM)",
         "total = s.dtype.type(hi - lo + 1 if state == ALL_MASKED else NO_KEYS_SUM)"),
     Bug("dense dk/dv owner: the last key of a chunk not written",
-        "nsa_numba/_attention.py", "    for k in range(valid):\n",
+        "nsa_numba/_kernels/attention.py", "    for k in range(valid):\n",
         "    for k in range(valid - 1):\n"),
     Bug("dense dk/dv owner: rows summed in reverse on the second thread",
-        "nsa_numba/_attention.py",
+        "nsa_numba/_kernels/attention.py",
         "    for t in range(q_starts[b], q_starts[b + 1]):\n",
         "    t0, t1, step = q_starts[b], q_starts[b + 1], 1\n"
         "    if get_thread_id() == 1:\n"
         "        t0, t1, step = q_starts[b + 1] - 1, q_starts[b] - 1, -1\n"
         "    for t in range(t0, t1, step):\n"),
     Bug("selected dk/dv owner: entries summed in reverse on the second thread",
-        "nsa_numba/_attention.py",
+        "nsa_numba/_kernels/attention.py",
         "    for e in range(offsets[u], offsets[u + 1]):\n",
         "    e0, e1, step = offsets[u], offsets[u + 1], 1\n"
         "    if get_thread_id() == 1:\n"
         "        e0, e1, step = offsets[u + 1] - 1, offsets[u] - 1, -1\n"
         "    for e in range(e0, e1, step):\n"),
     Bug("selected attention: the causal mask hides the query's own block",
-        "nsa_numba/_attention.py", "        if causal and idx > diag:",
+        "nsa_numba/_kernels/attention.py", "        if causal and idx > diag:",
         "        if causal and idx >= diag:"),
-    Bug("gradients: delta from the group's first head", "nsa_numba/_attention.py",
+    Bug("gradients: delta from the group's first head", "nsa_numba/_kernels/attention.py",
         "        delta = _dot_row(dos, g * Dv, out_fwd, t, h)",
         "        delta = _dot_row(dos, 0, out_fwd, t, h0)"),
-    Bug("compressed attention's top-k: ties to the higher block", "nsa_numba/_attention.py",
+    Bug("compressed attention's top-k: ties to the higher block", "nsa_numba/_kernels/attention.py",
         "        while i > 0 and x > score[best[i - 1]]:",
         "        while i > 0 and x >= score[best[i - 1]]:"),
-    Bug("fusion mode 4: the band one key longer", "nsa_numba/_fusion.py",
+    Bug("fusion mode 4: the band one key longer", "nsa_numba/_ops/fusion.py",
         "        lo, hi = off - pre, off + nxt + 1",
         "        lo, hi = off - pre - 1, off + nxt + 1"),
-    Bug("fusion TND [T1, T2] mask: row and column bases swapped", "nsa_numba/_fusion.py",
+    Bug("fusion TND [T1, T2] mask: row and column bases swapped", "nsa_numba/_ops/fusion.py",
         "bases[:, 0], bases[:, 1] = q_starts[:-1], kv_starts[:-1]",
         "bases[:, 0], bases[:, 1] = kv_starts[:-1], q_starts[:-1]"),
-    Bug("a call in parts: key rows not rebased to the part", "nsa_numba/_dense.py",
+    Bug("a call in parts: key rows not rebased to the part", "nsa_numba/_ops/dense.py",
         "chunk_row=self.chunk_row[c0:c1] - k0,", "chunk_row=self.chunk_row[c0:c1],"),
 ]
 

@@ -109,7 +109,7 @@ def main():
     # measured with the last step's input gradient still held, as a training loop
     # holds its gradients
     largest, held = loop(lengths)
-    used, kept, _ = nsa_numba._pool.stats()
+    used, kept, _ = nsa_numba._core.pool.stats()
     print(json.dumps(dict(rss=status_bytes("VmRSS"), peak=status_bytes("VmHWM"),
                           largest=largest, buffers=used, pooled=kept)))
 

@@ -141,7 +141,7 @@ def test_backward_round_trip(dtype, seq_type, seq):
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_backward_with_block_equal_to_stride(dtype):
-    # the NPU's grad accepts l == d (see _plan._check_window); so does the mirror
+    # the NPU's grad accepts l == d (see compress._check_window); so does the mirror
     args = good(dtype)
     seq = [0, 128, 272]
     windows = 128 // 32 + 144 // 32
@@ -297,7 +297,7 @@ def test_workspace_size_formula():
     # seed example: one tile per non-empty sequence (7 and 8 windows, below the
     # 64-window backward tile size); partials 2*64*32 floats, then one slot per thread
     # of (ceil(l/d) + 1 + l) * N * D + 2 * D floats
-    from nsa_numba._plan import scratch_slots
+    from nsa_numba._ops.checks import scratch_slots
     rng = np.random.default_rng(0)
     x = rng.standard_normal((272, 64, 128)).astype(np.float16)
     w = rng.standard_normal((32, 64)).astype(np.float16)
@@ -317,7 +317,7 @@ def test_workspace_at_any_address(op):
     # The run carves its scratch from the workspace's first 64-byte boundary: a
     # buffer of exactly workspaceSize bytes suffices wherever it starts, the scratch
     # is aligned, and the results do not depend on where the buffer is.
-    from nsa_numba import _dispatch
+    from nsa_numba._ops import dispatch as _dispatch
     rng = np.random.default_rng(3)
     x = rng.standard_normal((200, 4, 48)).astype(np.float16)
     w = rng.standard_normal((32, 4)).astype(np.float16)

@@ -138,9 +138,9 @@ def test_phase_two_rules():
 
 def test_workspace_holds_no_gathered_keys():
     # the paper's layer: blocks staged once (in the input's 16 bits), never per query
-    from nsa_numba import _pipeline
-    from nsa_numba._operators import SELECT, SELECT_GRAD
-    from nsa_numba._select import select_rules
+    from nsa_numba._ops import pipeline as _pipeline
+    from nsa_numba._ops.operators import SELECT, SELECT_GRAD
+    from nsa_numba._ops.select import select_rules
     T, N1, N2, D, Dv, l, c = 4096, 64, 4, 192, 128, 64, 16
     q = np.zeros((T, N1, D), ml_dtypes.bfloat16)
     k = np.zeros((T, N2, D), ml_dtypes.bfloat16)

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
                                             softmax_sum=s_, attention_in=o,
                                             scale_value=0.125, **kw)[:3]
     out["fusion"] = digest((o, m, s_, *grads))
-    from nsa_numba import _launch
+    from nsa_numba._core import launch as _launch
     out["threads"] = _launch.count()
     out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))

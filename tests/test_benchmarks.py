@@ -14,7 +14,7 @@ sys.path.insert(0, str(ASV_DIR))
 
 from benchmarks import bench_compress as suite  # noqa: E402
 
-from nsa_numba import _dispatch, _pipeline  # noqa: E402
+from nsa_numba._ops import dispatch as _dispatch, pipeline as _pipeline  # noqa: E402
 from nsa_numba import bench as nsa_bench  # noqa: E402
 
 

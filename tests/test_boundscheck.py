@@ -14,8 +14,11 @@ import pytest
 SCRIPT = r"""
 import sys
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels, _launch, _tiles
-from nsa_numba._plan import Rules, plan_forward
+from nsa_numba._ops import dispatch as _dispatch
+from nsa_numba._core import jit as _jit, launch as _launch
+from nsa_numba._kernels import compress as _kernels, tiles as _tiles
+from nsa_numba._ops.checks import Rules
+from nsa_numba._ops.compress import plan_forward
 
 assert _jit.BOUNDSCHECK
 D = int(sys.argv[2])
@@ -53,8 +56,11 @@ def test_boundscheck_mode_catches_an_out_of_bounds_tile(kernel, D):
 
 BACKWARD_SCRIPT = r"""
 import numpy as np
-from nsa_numba import _dispatch, _jit, _kernels, _launch, _tiles
-from nsa_numba._plan import Rules, plan_grad
+from nsa_numba._ops import dispatch as _dispatch
+from nsa_numba._core import jit as _jit, launch as _launch
+from nsa_numba._kernels import compress as _kernels, tiles as _tiles
+from nsa_numba._ops.checks import Rules
+from nsa_numba._ops.compress import plan_grad
 
 assert _jit.BOUNDSCHECK
 x = np.ones((96, 2, 64), np.float32)

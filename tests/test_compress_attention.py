@@ -169,9 +169,9 @@ def test_strict_limits():
 
 
 def test_the_workspace_holds_no_weights_matrix():
-    from nsa_numba import _pipeline
-    from nsa_numba._compress_attention import compress_attention_rules
-    from nsa_numba._operators import COMPRESS_ATTENTION
+    from nsa_numba._ops import pipeline as _pipeline
+    from nsa_numba._ops.compress_attention import compress_attention_rules
+    from nsa_numba._ops.operators import COMPRESS_ATTENTION
     # the paper's layer: 2 x 4096 tokens, 64 query heads, 255 compressed tokens each
     q = np.zeros((8192, 64, 192), np.float16)
     k = np.zeros((510, 4, 192), np.float16)
@@ -307,9 +307,9 @@ def test_gradient_strict_limits():
 
 
 def test_the_gradient_workspace_holds_no_weights_matrix():
-    from nsa_numba import _pipeline
-    from nsa_numba._compress_attention import compress_attention_rules
-    from nsa_numba._operators import COMPRESS_ATTENTION_GRAD
+    from nsa_numba._ops import pipeline as _pipeline
+    from nsa_numba._ops.compress_attention import compress_attention_rules
+    from nsa_numba._ops.operators import COMPRESS_ATTENTION_GRAD
     q = np.zeros((8192, 64, 192), np.float16)
     k = np.zeros((510, 4, 192), np.float16)
     v = np.zeros((510, 4, 128), np.float16)

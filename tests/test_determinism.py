@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
         dx, dw = nsa_numba.nsa_compress_grad(g, x, w, p["block"], p["stride"],
                                              actual_seq_len=p["seq"])
         out[name] = [hashlib.sha256(a.tobytes()).hexdigest() for a in (y, dx, dw)]
-    from nsa_numba import _launch
+    from nsa_numba._core import launch as _launch
     out["threads"] = _launch.count()
     out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))
@@ -73,7 +73,7 @@ def test_same_bits_for_every_thread_count():
 def test_threads_caps_the_calls_in_its_block(monkeypatch):
     import numba
 
-    from nsa_numba import _launch
+    from nsa_numba._core import launch as _launch
     seen = []                   # the threads each launch could use
     real_run = _launch.run
 
@@ -133,22 +133,22 @@ FORK_SCRIPT = textwrap.dedent("""
 """)
 
 
-# the planner keeps the tables of recent calls under a lock (_plan._tables)
+# the planner keeps the tables of recent calls under a lock (_ops.compress._tables)
 FORK_WHILE_KEEPING = textwrap.dedent("""
     import os, signal
     import numpy as np
     import nsa_numba
-    from nsa_numba import _plan
+    from nsa_numba._ops import compress as _compress
     x = np.ones((64, 1, 16), np.float32)
     w = np.ones((32, 1), np.float32)
     nsa_numba.nsa_compress(x, w, 32, 16)
-    _plan._table_cache._lock.acquire()     # as if another thread were keeping tables
+    _compress._table_cache._lock.acquire()     # as if another thread were keeping tables
     pid = os.fork()
     if pid == 0:
         signal.alarm(60)              # a child stuck on the lock ends, and the test fails
         out = nsa_numba.nsa_compress(x, w, 32, 16, actual_seq_len=[20, 64])
         os._exit(0 if out.shape == (1, 1, 16) else 3)
-    _plan._table_cache._lock.release()
+    _compress._table_cache._lock.release()
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status))
 """)
@@ -156,8 +156,9 @@ FORK_WHILE_KEEPING = textwrap.dedent("""
 
 # the prepared calls are kept under a lock too (_pipeline)
 FORK_WHILE_KEEPING_RECIPES = FORK_WHILE_KEEPING.replace(
-    "from nsa_numba import _plan", "from nsa_numba import _pipeline").replace(
-    "_plan._table_cache._lock", "_pipeline._prepared._lock")
+    "from nsa_numba._ops import compress as _compress",
+    "from nsa_numba._ops import pipeline as _pipeline").replace(
+    "_compress._table_cache._lock", "_pipeline._prepared._lock")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")

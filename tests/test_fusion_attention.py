@@ -461,7 +461,7 @@ def _dense_calls(rng):
 def test_a_call_in_parts_gives_the_whole_calls_bits(monkeypatch):
     # a call over many sequences runs in parts of whole sequences (DensePlan.parts): one
     # part per sequence changes no bit of any output, forward or gradient
-    from nsa_numba import _dense
+    from nsa_numba._ops import dense as _dense
     whole = _dense_calls(np.random.default_rng(7))
     monkeypatch.setattr(_dense, "PART_BYTES", 1)
     parts = _dense_calls(np.random.default_rng(7))

@@ -8,10 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nsa_numba import _attention
-from nsa_numba import _halfprec as hp
-from nsa_numba import _simd, _target
-from nsa_numba._jit import jit
+from nsa_numba._kernels import attention as _attention
+from nsa_numba._kernels import halfprec as hp
+from nsa_numba._kernels import simd as _simd, target as _target
+from nsa_numba._core.jit import jit
 
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
@@ -174,7 +174,7 @@ def test_widen_and_narrow_dispatch_on_storage_type():
 PORTABLE_SCRIPT = """
 import hashlib, sys
 import numpy as np, ml_dtypes
-from nsa_numba import _halfprec, _simd
+from nsa_numba._kernels import halfprec as _halfprec, simd as _simd
 import nsa_numba
 sys.path.insert(0, {tests!r})
 from conftest import random_problem

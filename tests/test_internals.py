@@ -1,4 +1,4 @@
-"""The private torch names the library uses (``_internals``) exist in the
+"""The private torch names the library uses (``_core.internals``) exist in the
 installed versions: each has a public fallback, so without this test a new
 torch that drops one would only make calls slower, silently."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nsa_numba import _internals
+from nsa_numba._core import internals as _internals
 
 
 def test_torchs_mode_probes_exist():

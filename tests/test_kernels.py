@@ -5,10 +5,12 @@ and the dispatcher picks what applies."""
 import numpy as np
 import pytest
 
-from nsa_numba import _dispatch, _kernels, _plan, _simd
-from nsa_numba import _launch as launcher
+from nsa_numba._ops import checks as _checks, dispatch as _dispatch
+from nsa_numba._kernels import compress as _kernels, simd as _simd
+from nsa_numba._core import launch as launcher
 from nsa_numba.api import nsa_compress
-from nsa_numba._plan import Rules, plan_forward, plan_grad
+from nsa_numba._ops.checks import Rules
+from nsa_numba._ops.compress import plan_forward, plan_grad
 from conftest import DTYPE_IDS, DTYPES, assert_forward_accurate, random_problem
 
 
@@ -43,7 +45,7 @@ def _specials(a, dtype):
 
 
 def _launch(kernel, plan, scratch, partials=None):
-    """``kernel`` run on the arrays a first call gives it (``_dispatch.kernel_arrays``:
+    """``kernel`` run on the arrays a first call gives it (``_ops.dispatch.kernel_arrays``:
     the variant the API and ``warmup`` compile), its outputs zeroed first; returns the
     plan's storage views."""
     views = _dispatch.storage_views(plan)
@@ -86,7 +88,7 @@ def _simd_matches(kernel, plan, dtype):
 
 #: the dtypes compress_forward_simd takes on this machine (float16 only with hardware half
 #: conversions)
-SIMD_DTYPES = [t for t in DTYPES if _plan.STORAGE[_plan.kind_of(t)] in _simd.STORAGE]
+SIMD_DTYPES = [t for t in DTYPES if _checks.STORAGE[_checks.kind_of(t)] in _simd.STORAGE]
 
 
 @pytest.mark.parametrize("N,D,block,stride,seq", [

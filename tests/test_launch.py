@@ -1,4 +1,4 @@
-"""The launcher (``_launch``): kernels run on the calling thread and helper threads of
+"""The launcher (``_core.launch``): kernels run on the calling thread and helper threads of
 the library's own, with no Numba threading layer. Calls from several Python threads at
 once, and calls in a process forked after a call (a data-loader worker), keep their
 results; every unit is computed once; an error on a helper reaches the caller."""
@@ -13,15 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from nsa_numba import _launch
-from nsa_numba._jit import jit
+from nsa_numba._core import launch as _launch
+from nsa_numba._core.jit import jit
 
 CALLS = textwrap.dedent("""
     import os, signal, threading
     import numpy as np
     import numba
     import nsa_numba
-    from nsa_numba import _launch
+    from nsa_numba._core import launch as _launch
     from numba.np.ufunc import parallel
 
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import pytest
 
 import nsa_numba
 from nsa_numba import NsaError
-from nsa_numba._layouts import c_carrier
+from nsa_numba._ops.layouts import c_carrier
 from nsa_numba.aclnn import (ACLNN_SUCCESS, aclnnNsaCompressGrad,
                              aclnnNsaCompressGradGetWorkspaceSize)
 from conftest import DTYPE_IDS, DTYPES

@@ -35,7 +35,7 @@ PRELUDE = r"""
 import json
 import numpy as np
 import nsa_numba
-from nsa_numba import _pipeline
+from nsa_numba._ops import pipeline as _pipeline
 """
 MEASURE = r"""
 def status(field):
@@ -55,8 +55,8 @@ print(json.dumps(result))
 """
 
 CMP_MEMORY = r"""
-from nsa_numba._compress_attention import compress_attention_rules
-from nsa_numba._operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD
+from nsa_numba._ops.compress_attention import compress_attention_rules
+from nsa_numba._ops.operators import COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD
 # two sequences of 4096 tokens, 32 query heads over 2 KV heads, the paper's head dims
 rng = np.random.default_rng(0)
 lengths, N1, N2 = [4096, 4096], 32, 2
@@ -97,8 +97,8 @@ def test_compressed_attention_holds_no_weights_matrix():
 
 
 WINDOW_MEMORY = r"""
-from nsa_numba._fusion import fusion_rules
-from nsa_numba._operators import FUSION_ATTENTION, FUSION_ATTENTION_GRAD
+from nsa_numba._ops.fusion import fusion_rules
+from nsa_numba._ops.operators import FUSION_ATTENTION, FUSION_ATTENTION_GRAD
 # the window branch: 8192 tokens, 32 query heads over 2 KV heads, a window of 512 keys
 rng = np.random.default_rng(0)
 T, N1, N2 = 8192, 32, 2
@@ -138,8 +138,8 @@ def test_the_window_branch_holds_no_weights_matrix():
 
 
 MANY_SEQUENCES = r"""
-from nsa_numba._fusion import fusion_rules
-from nsa_numba._operators import FUSION_ATTENTION, FUSION_ATTENTION_GRAD
+from nsa_numba._ops.fusion import fusion_rules
+from nsa_numba._ops.operators import FUSION_ATTENTION, FUSION_ATTENTION_GRAD
 # 200,000 one-token sequences (BSND, S = 1); the staged keys alone would take 64 keys
 # of float32 per sequence, 3.3 GB for the gradient, if the call ran them all at once
 B = 200_000
@@ -170,7 +170,7 @@ spaces = {
 def test_many_short_sequences_run_in_bounded_memory():
     # the call runs in parts of whole sequences whose staged keys take at most
     # _dense.PART_BYTES; the plan's tables take about 100 bytes a sequence
-    from nsa_numba._dense import PART_BYTES
+    from nsa_numba._ops.dense import PART_BYTES
     _added_at_most_the_workspace(MANY_SEQUENCES, PART_BYTES + MiB, slack=200 * 200_000)
 
 

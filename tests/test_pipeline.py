@@ -1,4 +1,4 @@
-"""The pipeline (``_pipeline``): every operator's calls go validate -> plan ->
+"""The pipeline (``_ops.pipeline``): every operator's calls go validate -> plan ->
 allocate -> launch; a call whose signature a successful call had runs the prepared
 call and skips planning, with the full path's results and errors."""
 
@@ -11,7 +11,9 @@ import pytest
 
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
-from nsa_numba import NsaError, _dispatch, _launch, _operators, _pipeline, _pool, api
+from nsa_numba import NsaError, api
+from nsa_numba._ops import dispatch as _dispatch, operators as _operators, pipeline as _pipeline
+from nsa_numba._core import launch as _launch, pool as _pool
 
 L, S = 32, 16
 T, N, D = 300, 4, 32
@@ -273,7 +275,7 @@ def test_threads_keep_their_own_scratch(plans):
 def test_any_weight_array_runs_the_kernels_compiled_for_one(plans):
     # the kernels take the weight C-contiguous and writable (a copy when it is not), so
     # a transposed or read-only weight compiles nothing new
-    from nsa_numba import _kernels
+    from nsa_numba._kernels import compress as _kernels
     x, w, g = good(np.float32)
     nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ)
     nsa_numba.nsa_compress_grad(g, x, w, L, S, actual_seq_len=SEQ)
@@ -312,7 +314,7 @@ def test_calls_with_work_for_every_thread_that_come_again_match_the_full_way(pla
 
 
 def test_the_entries_overlap_check_is_numpys_on_contiguous_arrays():
-    from nsa_numba._kernels import _apart
+    from nsa_numba._kernels.compress import _apart
     buffer = np.zeros(64, np.float32)
     spans = [(0, 16), (8, 24), (16, 32), (31, 40), (40, 40), (10, 10), (0, 64), (63, 64)]
     for a0, a1 in spans:

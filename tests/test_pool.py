@@ -1,4 +1,4 @@
-"""The output pool (``_pool``): an allocated output comes back only once nothing
+"""The output pool (``_core.pool``): an allocated output comes back only once nothing
 refers to it, with results as exact as a fresh one's."""
 
 import json
@@ -13,7 +13,8 @@ import pytest
 
 import nsa_numba
 from conftest import assert_forward_accurate, assert_grad_accurate, random_problem
-from nsa_numba import _pipeline, _pool
+from nsa_numba._ops import pipeline as _pipeline
+from nsa_numba._core import pool as _pool
 from test_layouts import to_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))

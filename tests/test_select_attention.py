@@ -221,7 +221,7 @@ SCRIPT = textwrap.dedent("""
         grads = nsa_numba.nsa_select_attention_grad(g, *arrays[:3], *res, arrays[3], scale,
                                                     p["N1"], p["block"], p["count"], **kw)
         out[name] = [hashlib.sha256(a.tobytes()).hexdigest() for a in (*res, *grads)]
-    from nsa_numba import _launch
+    from nsa_numba._core import launch as _launch
     out["threads"] = _launch.count()
     out["helpers"] = _launch.helpers_started()
     print(json.dumps(out))

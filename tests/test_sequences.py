@@ -56,7 +56,7 @@ def test_none_means_one_sequence(dtype):
     list(range(2048)), list(np.arange(0, 4096, 2)), [np.uint64(7), np.uint32(2 ** 32 - 1)], [],
 ], ids=["list", "tuple", "numpy-ints", "int64-limits", "long", "long-numpy", "uint64", "empty"])
 def test_sequence_values_read_lists_and_tuples_exactly(values):
-    from nsa_numba import _seqlens
+    from nsa_numba._ops import seqlens as _seqlens
     got, kind = _seqlens.sequence_values("op", values, 1, 0, {"actual_seq_len": "s"})
     assert got.dtype == np.int64 and kind == 1
     assert got.tolist() == [int(v) for v in values]
@@ -67,7 +67,7 @@ def test_sequence_values_read_lists_and_tuples_exactly(values):
     ([np.int64(5), True], "s[1]"), ([np.uint64(2 ** 64 - 1)], "s[0]"),
 ])
 def test_sequence_values_name_the_value_they_reject(values, where):
-    from nsa_numba import _seqlens
+    from nsa_numba._ops import seqlens as _seqlens
     with pytest.raises(nsa_numba.NsaError, match=re.escape(where)):
         _seqlens.sequence_values("op", values, 0, 0, {"actual_seq_len": "s"})
 
@@ -107,7 +107,7 @@ def test_nan_and_inf_propagate(bad, dtype):
 
 def _numpy_tables(values, seq_type, T, block, stride):
     """(offsets, lengths, counts, rows) by the NumPy functions, or the NsaError."""
-    from nsa_numba import _seqlens
+    from nsa_numba._ops import seqlens as _seqlens
     try:
         offsets = _seqlens.sequence_offsets("op", values, seq_type, T, _NAMES)
     except nsa_numba.NsaError as e:
@@ -147,7 +147,7 @@ def _sequence_cases():
 
 @pytest.mark.parametrize("block,stride", [(32, 16), (16, 16), (5, 3)])
 def test_compiled_sequence_tables_match_numpy(block, stride):
-    from nsa_numba import _seqlens
+    from nsa_numba._ops import seqlens as _seqlens
 
     def tables(values, seq_type, T):
         checked = _seqlens.sequence_values("op", values, seq_type, T, _NAMES)
@@ -168,10 +168,11 @@ def test_compiled_sequence_tables_match_numpy(block, stride):
     assert 100 < rejected < 350              # both kinds of case were exercised
 
 
-# -- tables kept across calls (_plan._tables) ----------------------------------
+# -- tables kept across calls (_ops.compress._tables) ----------------------------------
 
 def _plan(x, w, seq, seq_type=0, strict=True, op="forward"):
-    from nsa_numba._plan import Rules, plan_forward, plan_grad
+    from nsa_numba._ops.checks import Rules
+    from nsa_numba._ops.compress import plan_forward, plan_grad
     rules = Rules("test", strict=strict)
     if op == "forward":
         return plan_forward(rules, x, w, L, S, seq, seq_type, "TND", None)
@@ -181,8 +182,8 @@ def _plan(x, w, seq, seq_type=0, strict=True, op="forward"):
 
 
 def _fresh_tables():
-    from nsa_numba import _plan
-    _plan.forget_tables()
+    from nsa_numba._ops import compress as _compress
+    _compress.forget_tables()
 
 
 @pytest.mark.parametrize("op", ["forward", "grad"])
@@ -225,7 +226,7 @@ def test_kept_tables_keep_the_checks():
     # ...but a strict call with the same geometry still raises
     with pytest.raises(nsa_numba.NsaError, match="no sequence is as long"):
         _plan(x, w, [20, 40, 60])
-    from nsa_numba import _plan as plan_module
+    from nsa_numba._ops import compress as plan_module
     kept = len(plan_module._table_cache)
     for bad in ([20, 10, 60], [20, 40, 61], [-1, 60], [20.0, 60]):
         with pytest.raises(nsa_numba.NsaError):
@@ -234,7 +235,7 @@ def test_kept_tables_keep_the_checks():
 
 
 def test_kept_tables_are_bounded():
-    from nsa_numba import _plan as plan_module
+    from nsa_numba._ops import compress as plan_module
     _fresh_tables()
     x = np.zeros((400, 1, 16), np.float32)
     w = np.zeros((L, 1), np.float32)
@@ -244,7 +245,7 @@ def test_kept_tables_are_bounded():
 
 
 def test_big_tables_are_not_kept():
-    from nsa_numba import _plan as plan_module
+    from nsa_numba._ops import compress as plan_module
     _fresh_tables()
     x = np.zeros((40000, 1, 16), np.float32)
     w = np.zeros((L, 1), np.float32)

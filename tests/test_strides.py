@@ -104,7 +104,8 @@ def _view_index(base, view):
 
 def _input_storage(x, w):
     """The array the forward kernel reads ``x`` through."""
-    from nsa_numba._plan import Rules, plan_forward
+    from nsa_numba._ops.checks import Rules
+    from nsa_numba._ops.compress import plan_forward
     out = nsa_numba.nsa_compress(x, w, L, S, actual_seq_len=SEQ)
     return plan_forward(Rules("test"), x, w, L, S, SEQ, 0, "TND", out).storage("input")
 
@@ -148,7 +149,8 @@ def test_no_word_reads_past_the_buffer(dtype):
 def test_no_word_reads_of_output_elements(dtype):
     """input and input_grad interleaved in one buffer: the input's words would hold
     input_grad elements the kernel writes, so the input is read element by element."""
-    from nsa_numba._plan import Rules, plan_grad
+    from nsa_numba._ops.checks import Rules
+    from nsa_numba._ops.compress import plan_grad
     x, w, g, out, dx, dw = _contiguous_results(dtype)
     both = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype)
     xs, igs = both[..., 0::2], both[..., 1::2]

@@ -8,7 +8,8 @@ import pytest
 
 import nsa_numba
 from conftest import assert_grad_accurate
-from nsa_numba import NsaError, _pool
+from nsa_numba import NsaError
+from nsa_numba._core import pool as _pool
 
 if os.environ.get("NSA_NUMBA_REQUIRE_TORCH"):
     import torch  # CI: torch must be there, these tests must run
@@ -138,7 +139,8 @@ def test_calls_use_at_most_torchs_thread_count():
     import numba
 
     from ddp_train import record_launch_threads
-    from nsa_numba import _dispatch, _launch
+    from nsa_numba._ops import dispatch as _dispatch
+    from nsa_numba._core import launch as _launch
     real = _dispatch.launch, _dispatch.run_prepared, _launch.run
     seen = record_launch_threads()
     gen = torch.Generator().manual_seed(11)

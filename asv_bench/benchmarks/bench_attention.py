@@ -170,8 +170,8 @@ class ManySequences:
     timeout = 600
 
     def setup(self, B):
-        from nsa_numba._fusion import fusion_rules
-        from nsa_numba._operators import FUSION_ATTENTION
+        from nsa_numba._ops.fusion import fusion_rules
+        from nsa_numba._ops.operators import FUSION_ATTENTION
         self.q = np.zeros((B, 1, 2, 16), np.float16)
         self.planner, self.rules = FUSION_ATTENTION.planner, fusion_rules("fusion_attention")
         fusion_attention(self.q[:4], self.q[:4], self.q[:4], 2, "BSND")    # compiles

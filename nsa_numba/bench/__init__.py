@@ -25,15 +25,33 @@ read + input_grad written (the weights are negligible).
 """
 
 from .. import api  # noqa: F401  (tests patch the calls bench makes through it)
-from .cases import (DEFAULT_SHAPES, DTYPES, INFER_CASES, INFER_WINDOW, NON_CONTIGUOUS,
-                    OVERHEAD_SHAPE, Case, infer_problem, make_data, numpy_dtype, parse_shape,
-                    sequence_ends)
+from .cases import (
+                    DEFAULT_SHAPES,
+                    DTYPES,
+                    INFER_CASES,
+                    INFER_WINDOW,
+                    NON_CONTIGUOUS,
+                    OVERHEAD_SHAPE,
+                    Case,
+                    infer_problem,
+                    make_data,
+                    numpy_dtype,
+                    parse_shape,
+                    sequence_ends,
+)
 from .cli import add_arguments, main
-from .harness import (CacheFlush, best_time, copy_task, input_read_task, read_task,
-                      round_times)
+from .harness import CacheFlush, best_time, copy_task, input_read_task, read_task, round_times
 from .reports import format_table, markdown_table, plot_results
-from .runs import (TO_LAUNCH_ROUNDS, call_memory, overhead, prepared_launches,
-                   python_to_launch, run_case, run_infer_case, torch_baseline)
+from .runs import (
+                    TO_LAUNCH_ROUNDS,
+                    call_memory,
+                    overhead,
+                    prepared_launches,
+                    python_to_launch,
+                    run_case,
+                    run_infer_case,
+                    torch_baseline,
+)
 
 __all__ = ["DEFAULT_SHAPES", "DTYPES", "INFER_CASES", "INFER_WINDOW", "NON_CONTIGUOUS",
            "OVERHEAD_SHAPE", "TO_LAUNCH_ROUNDS", "CacheFlush", "Case", "add_arguments",

@@ -17,12 +17,33 @@ import time
 
 import numpy as np
 
-from .. import _compress_attention, _dense, _fusion, _pipeline, _select, api
-from .._operators import (COMPRESS_ATTENTION, COMPRESS_ATTENTION_GRAD, FUSION_ATTENTION,
-                          FUSION_ATTENTION_GRAD, SELECT, SELECT_GRAD)
-from .cases import (CMP_CASES, CMP_WINDOW, FUSION_CASES, SELECT_CASES, cmp_lengths,
-                    cmp_problem, cmp_visible, fusion_problem, fusion_visible, select_problem,
-                    visible_keys)
+from .. import api
+from .._ops import compress_attention as _compress_attention
+from .._ops import dense as _dense
+from .._ops import fusion as _fusion
+from .._ops import pipeline as _pipeline
+from .._ops import select as _select
+from .._ops.operators import (
+    COMPRESS_ATTENTION,
+    COMPRESS_ATTENTION_GRAD,
+    FUSION_ATTENTION,
+    FUSION_ATTENTION_GRAD,
+    SELECT,
+    SELECT_GRAD,
+)
+from .cases import (
+    CMP_CASES,
+    CMP_WINDOW,
+    FUSION_CASES,
+    SELECT_CASES,
+    cmp_lengths,
+    cmp_problem,
+    cmp_visible,
+    fusion_problem,
+    fusion_visible,
+    select_problem,
+    visible_keys,
+)
 from .harness import round_times
 
 #: the square product the matrix-multiply rate is taken from
@@ -163,7 +184,7 @@ def torch_select(q, k, v, topk, scale, block, ends, chunk=16):
 def run_select_case(name, dtype, repeat, rate, use_torch, split=False):
     """One ``SELECT_CASES`` case: medians of ``repeat`` rounds of the forward and the
     gradient (outputs given: the kernels' time, not the allocator's); with ``split``
-    also each launch of the two calls alone (``_select.select_steps``), with the
+    also each launch of the two calls alone (``_ops.select.select_steps``), with the
     GFLOP/s of the three that compute."""
     lengths, N1, N2, D, Dv, block, count = SELECT_CASES[name]
     q, k, v, topk, scale, ends = select_problem(lengths, N1, N2, D, Dv, block, count, dtype)
@@ -242,6 +263,7 @@ def torch_compress_attention(q, k, v, mask, lists, scale, count, chunk=256):
     forward, as a training step that fits in memory would). Each path runs once
     untimed, then the better of two timed calls counts."""
     import torch
+
     from ..reference import importance_weights
     w = CMP_WINDOW
     tq, tk, tv = (torch.from_numpy(a.astype(np.float32)) for a in (q, k, v))

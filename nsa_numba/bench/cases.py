@@ -8,7 +8,6 @@ import numpy as np
 
 from .. import api
 
-
 #: (T, N, D, l, d, number of equal sequences)
 DEFAULT_SHAPES = [
     (32768, 4, 128, 32, 16, 4),

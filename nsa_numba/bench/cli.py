@@ -6,14 +6,30 @@ from dataclasses import asdict
 
 import numba
 
-from .. import _pool
-from .cases import (CMP_CASES, DEFAULT_SHAPES, DTYPES, FUSION_CASES, INFER_CASES,
-                    NON_CONTIGUOUS, OVERHEAD_SHAPE, SELECT_CASES, Case, numpy_dtype,
-                    parse_shape)
-from .. import _launch
+from .._core import launch as _launch
+from .._core import pool as _pool
+from .cases import (
+    CMP_CASES,
+    DEFAULT_SHAPES,
+    DTYPES,
+    FUSION_CASES,
+    INFER_CASES,
+    NON_CONTIGUOUS,
+    OVERHEAD_SHAPE,
+    SELECT_CASES,
+    Case,
+    numpy_dtype,
+    parse_shape,
+)
 from .harness import CacheFlush, copy_task, read_task
-from .reports import (format_infer, format_input_reads, format_overhead, format_table,
-                      markdown_table, plot_results)
+from .reports import (
+    format_infer,
+    format_input_reads,
+    format_overhead,
+    format_table,
+    markdown_table,
+    plot_results,
+)
 from .runs import TO_LAUNCH_ROUNDS, overhead, python_to_launch, run_case, run_infer_case
 
 

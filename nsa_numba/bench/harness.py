@@ -5,9 +5,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from .. import _launch
-from .._jit import jit
 
+from .._core import launch as _launch
+from .._core.jit import jit
 
 _COPY_CHUNK = 1 << 16
 

@@ -8,11 +8,20 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from .. import _dispatch, _pipeline, api
-from .._operators import COMPRESS, COMPRESS_GRAD
-from .._plan import Rules
-from .cases import (DEFAULT_SHAPES, INFER_CASES, INFER_WINDOW, OVERHEAD_SHAPE, Case,
-                    infer_problem, make_data)
+from .. import api
+from .._ops import dispatch as _dispatch
+from .._ops import pipeline as _pipeline
+from .._ops.checks import Rules
+from .._ops.operators import COMPRESS, COMPRESS_GRAD
+from .cases import (
+    DEFAULT_SHAPES,
+    INFER_CASES,
+    INFER_WINDOW,
+    OVERHEAD_SHAPE,
+    Case,
+    infer_problem,
+    make_data,
+)
 from .harness import CacheFlush, best_time, input_read_task, round_times
 
 
@@ -49,7 +58,7 @@ def torch_baseline(case, x, w, g, seq, repeat):
 
 def prepared_launches(x, w, g, out, dx, dw, l, d, seq):
     """(forward, backward): the kernel launches of the two calls with their planning
-    and the rest of their Python work done beforehand (``_dispatch.prepare``)."""
+    and the rest of their Python work done beforehand (``_ops.dispatch.prepare``)."""
     fwd = _pipeline.plan(COMPRESS, Rules("nsa_compress"), (x, w, l, d, seq, 0, "TND", out))
     bwd = _pipeline.plan(COMPRESS_GRAD, Rules("nsa_compress_grad"),
                          (g, x, w, l, d, seq, 0, "TND", dx, dw))
@@ -198,7 +207,7 @@ def python_to_launch(case=None, rounds=TO_LAUNCH_ROUNDS):
     """Medians of the microseconds a call that comes again spends in Python before its
     kernel launch, after a cache flush (NumPy API, forward and backward, ``case``:
     bench's first shape in bf16). The call stops where it would launch: Numba's
-    dispatch and the compiled code (the prepared call's kernel, ``_kernels``) are not run,
+    dispatch and the compiled code (the prepared call's kernel, ``_kernels.compress``) are not run,
     so what is timed is the Python work alone, which ``--split`` can only show as the
     noisy difference of two timings. The stop stands in for the kept calls' kernels
     meanwhile: for bench's own process only, where no other thread calls the

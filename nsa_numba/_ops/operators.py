@@ -1,22 +1,22 @@
-"""The operators, registered with the pipeline (``_pipeline``).
+"""The operators, registered with the pipeline (``_ops.pipeline``).
 
-An operator is its rules and planner (the checks and the plan: ``_plan`` for the
-training compress pair, ``_infer`` for the with-cache operator), its kernels
-(``_kernels``) and their launch (``_dispatch``), put together here. Adding one means
+An operator is its rules and planner (the checks and the plan: ``_ops.compress`` for the
+training compress pair, ``_ops.infer`` for the with-cache operator), its kernels
+(``_kernels.compress``) and their launch (``_ops.dispatch``), put together here. Adding one means
 writing those, and a record below; nothing else in the call path changes
 (docs/design.md, "Adding an operator").
 """
 
 import numpy as np
 
-from . import _dispatch
-from ._infer import plan_infer
-from ._pipeline import Operator, register
-from ._plan import forward_signature, grad_signature, plan_forward, plan_grad
-from ._compress_attention import plan_compress_attention, plan_compress_attention_grad
-from ._dense import run_dense
-from ._fusion import numels, plan_fusion, plan_fusion_grad
-from ._select import plan_select, plan_select_grad, run_select
+from . import dispatch as _dispatch
+from .compress import forward_signature, grad_signature, plan_forward, plan_grad
+from .compress_attention import plan_compress_attention, plan_compress_attention_grad
+from .dense import run_dense
+from .fusion import numels, plan_fusion, plan_fusion_grad
+from .infer import plan_infer
+from .pipeline import Operator, register
+from .select import plan_select, plan_select_grad, run_select
 
 #: nsa_compress (aclnnNsaCompress): args (input, weight, block, stride,
 #: actual_seq_len, actual_seq_len_type, layout, out) -> out

@@ -1,13 +1,13 @@
 """Dense attention's plan and launch: every key of a sequence that its geometry and
-mask leave visible (``_attention``'s dense kernels). Fusion attention (``_fusion``)
-and compressed attention (``_compress_attention``) check their arguments and build
+mask leave visible (``_kernels.attention``'s dense kernels). Fusion attention (``_ops.fusion``)
+and compressed attention (``_ops.compress_attention``) check their arguments and build
 a :class:`DensePlan`; the gradient of both is the one :func:`dense_steps` launches.
 
 The kernels take every operator array token-major with four axes, ``[B, S, N, X]``
 (token ``t`` is ``[t // S, t % S]``): a strided view of the layout the caller gave
 (:func:`token_rows`), never a copy. A TND array is ``[1, T, N, X]``.
 
-Workspace: the keys staged as float32 in chunks of ``_attention.CHUNK`` per
+Workspace: the keys staged as float32 in chunks of ``_kernels.attention.CHUNK`` per
 sequence (transposed for the scores, as rows for the values' sum; for the gradient
 the keys as rows and the values transposed), each row's visible range, one scratch
 row and one index row per thread, and for the gradient the owners' work.
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import _attention, _launch
-from ._plan import scratch_slots
-from ._select import AttentionPlan, _round16
+from .._core import launch as _launch
+from .._kernels import attention as _attention
+from .checks import round16, scratch_slots
+from .select import AttentionPlan
 
 #: the roles whose arrays have the key heads N2 (the others have the query heads N1)
 KEY_ROLES = frozenset({"key", "value", "dk", "dv"})
@@ -58,7 +59,7 @@ def stat_rows(a, layout):
 
 
 class Chunks:
-    """What dense plans share: keys staged in chunks of ``_attention.CHUNK`` per
+    """What dense plans share: keys staged in chunks of ``_kernels.attention.CHUNK`` per
     sequence (``chunk_starts`` [B + 1]: each sequence's first chunk; ``chunk_row``,
     ``chunk_len``: each chunk's first key row and key count)."""
 
@@ -108,7 +109,7 @@ def unbounded(batches):
 class DensePlan(Chunks, AttentionPlan):
     """A checked dense-attention call, forward or gradient (``op`` ending in
     "_grad"), ready to launch. ``geo``, ``mask``, ``mstep`` and ``zero_rows`` are
-    ``_attention.dense_ranges``' arguments; ``mask_heads`` is 1, or N1 when the mask
+    ``_kernels.attention.dense_ranges``' arguments; ``mask_heads`` is 1, or N1 when the mask
     has a row per head (then each unit is one head: ``Gu = 1``, else ``Gu = G``)."""
     op: str
     dtype: np.dtype
@@ -147,7 +148,7 @@ class DensePlan(Chunks, AttentionPlan):
     @property
     def tokens(self):
         """Consecutive tokens a forward or dq unit takes: enough that its rows (tokens
-        times its ``Gu`` heads) reach ``_attention.UNIT_ROWS``, so each key chunk it
+        times its ``Gu`` heads) reach ``_kernels.attention.UNIT_ROWS``, so each key chunk it
         loads serves that many rows."""
         return max(1, _attention.UNIT_ROWS // self.Gu)
 
@@ -235,8 +236,8 @@ class DensePlan(Chunks, AttentionPlan):
             index = max(D, C) + lds
             return [("blocks", self.blocks_size, np.dtype(np.int64)),
                     ("kt", staged * D, st), ("vrow", staged * Dv, st), ranges,
-                    ("scratch", slots * _round16(floats), self.accumulator),
-                    ("index", slots * _round16(index), np.dtype(np.int64))]
+                    ("scratch", slots * round16(floats), self.accumulator),
+                    ("index", slots * round16(index), np.dtype(np.int64))]
         R = G4 * max(1, _attention.PAIR_ROWS // G4)       # _attention.owner_batch rows
         dq_floats = U4 * (D + Dv) + 2 * U4 * lds + 3 * U4 + U4 * D
         owner_floats = R * (D + Dv) + 2 * R * (C + _attention.KEY_ALIGN) + 3 * R + C * (D + Dv)
@@ -244,8 +245,8 @@ class DensePlan(Chunks, AttentionPlan):
         return [("blocks", self.blocks_size, np.dtype(np.int64)),
                 ("kt", staged * D, st), ("krow", staged * D, st), ("vt", staged * Dv, st),
                 ranges, ("work", self.chunks + 1, np.dtype(np.int64)),
-                ("scratch", slots * _round16(max(dq_floats, owner_floats)), self.accumulator),
-                ("index", slots * _round16(index), np.dtype(np.int64))]
+                ("scratch", slots * round16(max(dq_floats, owner_floats)), self.accumulator),
+                ("index", slots * round16(index), np.dtype(np.int64))]
 
     @property
     def blocks_size(self):

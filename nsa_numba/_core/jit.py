@@ -11,7 +11,7 @@ behind) unchecked machine code.
 
 from numba import njit
 
-from . import _config
+from . import config as _config
 
 BOUNDSCHECK = _config.boundscheck()
 

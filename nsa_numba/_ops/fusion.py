@@ -1,6 +1,6 @@
 """Fusion attention (torch_npu's ``npu_fusion_attention`` / ``_grad``, the NPU's
 generic attention, which an NSA layer's sliding-window branch calls): rules and
-planners. The arithmetic is dense attention's (``_dense``, ``_attention``).
+planners. The arithmetic is dense attention's (``_ops.dense``, ``_kernels.attention``).
 
 Per sequence (query row ``i`` of ``Sq``, key ``j`` of ``Skv``, ``off = Skv - Sq``)
 the sparse mode says which keys a row sees:
@@ -33,11 +33,12 @@ mode), 161002 for the rest.
 
 import numpy as np
 
-from . import _attention, _seqlens
-from ._dense import DensePlan, chunks, unbounded
-from ._errors import invalid, missing, tiling
-from ._plan import Rules, check_array, check_no_overlap
-from ._select import _int, _output, _scale, _starts, _stat_dtype
+from .._core.errors import invalid, missing, tiling
+from .._kernels import attention as _attention
+from . import seqlens as _seqlens
+from .checks import Rules, check_array, check_int, check_no_overlap
+from .dense import DensePlan, chunks, unbounded
+from .select import STAT_LANES, _output, _scale, _starts, _stat_dtype
 
 FORWARD_NAMES = {
     "query": "query", "key": "key", "value": "value", "head_num": "head_num",
@@ -66,7 +67,6 @@ MAX_TND_BATCH = 2048
 MAX_TOKENS = 1024 * 1024
 #: the tockens' default: no bound
 NO_BOUND = 2147483647
-STAT_LANES = 8
 
 
 def fusion_rules(op, grad=False, **options):
@@ -315,14 +315,14 @@ def _problem(rules, query, key, value, head_num, layout, pse, padding_mask, atte
         if a is None:
             raise missing(op, names[k])
     layout = _layout(rules, layout)
-    head_num = _int(rules, "head_num", head_num)
+    head_num = check_int(rules, "head_num", head_num)
     if head_num < 1:
         raise invalid(op, f"{names['head_num']} must be >= 1, got {head_num}")
     scale = _scale(rules, scale)
     keep_prob = _keep_prob(rules, keep_prob)
-    sparse_mode = _int(rules, "sparse_mode", sparse_mode)
-    pre, nxt = _int(rules, "pre", pre), _int(rules, "next", nxt)
-    inner_precise = _int(rules, "inner_precise", inner_precise)
+    sparse_mode = check_int(rules, "sparse_mode", sparse_mode)
+    pre, nxt = check_int(rules, "pre", pre), check_int(rules, "next", nxt)
+    inner_precise = check_int(rules, "inner_precise", inner_precise)
     _not_implemented(rules, pse, padding_mask, prefix, keep_prob, sparse_mode, softmax_layout)
     if sparse_mode not in SPARSE_MODES:
         raise invalid(op, f"{names['sparse_mode']} must be one of 0 to 8 (0 to 4 computed), "

@@ -118,7 +118,7 @@ def c_carrier(a):
 
 #: word storage for an input read at a step of several elements: (storage dtype,
 #: step in bytes) -> the dtype of one word, which holds an element at its low
-#: address and the gap up to the next one (see ``word_view``; ``_halfprec.widen``
+#: address and the gap up to the next one (see ``word_view``; ``_kernels.halfprec.widen``
 #: decodes the element)
 WORD_STORAGE = {
     (np.dtype(np.uint16), 4): np.dtype(np.uint32),          # float16, every 2nd
@@ -146,7 +146,7 @@ def word_view(a, storage, avoid=()):
     is only twice as large. The words' last axis is unit-stride, so the kernels'
     loops vectorise as for contiguous input, and ``widen`` keeps each word's element.
     ``storage`` is the dtype ``a``'s bits are viewed as in the kernels
-    (``_plan.STORAGE``).
+    (``_ops.checks.STORAGE``).
 
     A word reads the gap bytes after its element, which belong to other data; so
     None (the strided loops) unless the last element's word ends inside the memory of

@@ -37,7 +37,7 @@ element-wise widening takes a zero-extension and a shift for each. That leaves m
 of the vector ports to the products and sums (the llvm-mca cycle counts and the
 timing are in docs/performance.md). Float16 and float32 rows keep their own order.
 
-Conversions give exactly what :func:`nsa_numba._halfprec.widen` and ``narrow`` give
+Conversions give exactly what :func:`nsa_numba._kernels.halfprec.widen` and ``narrow`` give
 per element: bfloat16 as the top half of float32, rounded to nearest even with NaN
 kept quiet; float16 through LLVM's ``fpext``/``fptrunc``, which are the F16C
 instructions on x86 and FCVT on AArch64. Rows must be unit-stride in the storage
@@ -56,9 +56,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from . import _target
-from ._halfprec import HARDWARE_HALF
-from ._jit import BOUNDSCHECK, jit
+from .._core.jit import BOUNDSCHECK, jit
+from . import target as _target
+from .halfprec import HARDWARE_HALF
 
 #: float32 lanes in one of the target's vector registers (4, 8 or 16)
 REGISTER_LANES = _target.vector_bits() // 32

@@ -34,7 +34,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from ._jit import jit
+from .jit import jit
 
 
 @intrinsic

@@ -19,7 +19,7 @@ The gradient is the exact gradient of that forward as called (docs/reference.md
 says where the NPU's differs): ``dS = P (dO V^T - delta)`` with ``delta = sum dO *
 O`` from the given output and P from the given statistics; ``dq = scale dS K``;
 ``dk`` and ``dv`` sum over every (token, slot) that selected a key, computed by
-the owner of each key block (``_attention``), so they are deterministic.
+the owner of each key block (``_kernels.attention``), so they are deterministic.
 
 Checks: :func:`plan_select` and :func:`plan_select_grad` check every argument and
 the contents of ``topk_indices`` (each index must name a whole block of its
@@ -27,7 +27,7 @@ sequence's keys) before anything is allocated or written. Status 161001 for a
 required array that is None, 561002 for the NPU's tiling limits (strict mode),
 161002 for everything else.
 
-Workspace: the staged blocks (``_attention.select_stage``) in the input's storage
+Workspace: the staged blocks (``_kernels.attention.select_stage``) in the input's storage
 dtype, one accumulator scratch row and one int64 index row per thread, and for the
 gradient the owners' inverted index; each region starts on a WORKSPACE_ALIGN-byte
 boundary.
@@ -37,11 +37,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _attention, _launch, _pool, _seqlens
-from ._errors import invalid, missing, tiling
-from ._jit import jit
-from ._plan import (ACCUMULATOR, STORAGE, WORKSPACE_ALIGN, Rules, check_array,
-                    check_no_overlap, kind_of, scratch_slots)
+from .._core import launch as _launch
+from .._core import pool as _pool
+from .._core.errors import invalid, missing, tiling
+from .._core.jit import jit
+from .._kernels import attention as _attention
+from . import seqlens as _seqlens
+from .checks import (
+    ACCUMULATOR,
+    STORAGE,
+    WORKSPACE_ALIGN,
+    Rules,
+    check_array,
+    check_int,
+    check_no_overlap,
+    kind_of,
+    round16,
+    scratch_slots,
+)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "topk": "topk_indices",
@@ -67,7 +80,7 @@ STAT_LANES = 8
 
 
 def select_rules(op, **options):
-    """The :class:`~nsa_numba._plan.Rules` of an entry point of selected attention,
+    """The :class:`~nsa_numba._ops.checks.Rules` of an entry point of selected attention,
     with the NumPy API's parameter names unless ``options`` gives others."""
     options.setdefault("names", dict(PY_NAMES))
     return Rules(op, **options)
@@ -127,7 +140,7 @@ class AttentionPlan:
 @dataclass(frozen=True, kw_only=True)
 class SelectPlan(AttentionPlan):
     """A checked selected-attention call (forward or gradient), ready to launch
-    (``run_select``); what the pipeline reads of a plan (``_plan.Plan``)."""
+    (``run_select``); what the pipeline reads of a plan (``compress.Plan``)."""
     op: str                         # "select" or "select_grad"
     dtype: np.dtype
     T1: int
@@ -172,23 +185,20 @@ class SelectPlan(AttentionPlan):
         if self.op == "select":
             floats = G4 * (D + lds + Dv)
             return [("kt", staged * D * lp, st), ("vrow", staged * l * Dv, st),
-                    ("scratch", slots * _round16(floats), acc),
-                    ("index", slots * _round16(index), np.dtype(np.int64))]
+                    ("scratch", slots * round16(floats), acc),
+                    ("index", slots * round16(index), np.dtype(np.int64))]
         dq_floats = G4 * (D + Dv) + 2 * G4 * lds + G4 * D + 3 * G4
         owner_floats = (R * (D + Dv) + 2 * R * (lp + _attention.KEY_ALIGN)
                         + l4 * (D + Dv) + 3 * R)
         floats = max(dq_floats, owner_floats)
         return [("kt", staged * D * lp, st), ("krow", staged * l * D, st),
                 ("vt", staged * Dv * lp, st),
-                ("scratch", slots * _round16(floats), acc),
-                ("index", slots * _round16(index), np.dtype(np.int64)),
+                ("scratch", slots * round16(floats), acc),
+                ("index", slots * round16(index), np.dtype(np.int64)),
                 ("offsets", staged + 1, np.dtype(np.int64)),
                 ("entries", self.T1 * self.N2 * c, np.dtype(np.int64)),
                 ("order", staged, np.dtype(np.int64))]
 
-
-def _round16(n):
-    return -(-n // 16) * 16
 
 
 def _region_bytes(n, dtype):
@@ -196,9 +206,6 @@ def _region_bytes(n, dtype):
 
 
 # -- argument checks --------------------------------------------------------------------
-
-def _int(rules, key, value):
-    return _seqlens.as_int64(rules.op, rules.names[key], value)
 
 
 def _scale(rules, value):
@@ -388,7 +395,7 @@ def check_heads(rules, query, key, value, head_num, keys):
     value = _array(rules, "value", value, f"[{keys}, N2, Dv]")
     _same_dtype(rules, "key", key, "query", query.dtype)
     _same_dtype(rules, "value", value, "query", query.dtype)
-    head_num = _int(rules, "head_num", head_num)
+    head_num = check_int(rules, "head_num", head_num)
     T1, N1, D = query.shape
     T2, N2, Dk = key.shape
     if head_num != N1:
@@ -413,8 +420,8 @@ def _common(rules, query, key, value, topk, scale, head_num, block, count, atten
     query, key, value = check_heads(rules, query, key, value, head_num, "T2")
     dtype = query.dtype
     scale = _scale(rules, scale)
-    block = _int(rules, "block", block)
-    count = _int(rules, "count", count)
+    block = check_int(rules, "block", block)
+    count = check_int(rules, "count", count)
     T1, N1, D = query.shape
     T2, N2, _ = key.shape
     Dv = value.shape[2]

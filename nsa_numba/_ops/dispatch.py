@@ -19,8 +19,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from . import _kernels, _launch, _pool, _simd
-from ._plan import STORAGE, WORKSPACE_ALIGN, kind_of, weight_storage
+from .._core import launch as _launch
+from .._core import pool as _pool
+from .._kernels import compress as _kernels
+from .._kernels import simd as _simd
+from .checks import STORAGE, WORKSPACE_ALIGN, kind_of
+from .compress import weight_storage
 
 
 class Scratch(NamedTuple):
@@ -46,7 +50,7 @@ class Recipe:
     much scratch, and how its arrays go in. The arrays come to ``launch`` in the
     order of ``ROLES[op]``: the caller's own (``own``) or storage views."""
     op: str                  # "forward" or "grad"
-    storage: np.dtype        # the dtype the kernels see the arrays as (_plan.STORAGE)
+    storage: np.dtype        # the dtype the kernels see the arrays as (checks.STORAGE)
     kernel: object           # forward_kernel's choice, or a backward kernel (backward_vector)
     tiles: np.ndarray
     stride: int
@@ -91,7 +95,7 @@ def _cut(memory, scratch):
 def carve(plan, workspace):
     """(partials ``[n_tiles, N, l]``, scratch ``[slots, elements]``) in a uint8 workspace.
 
-    The layout is the one ``_plan`` sizes: from the workspace's first
+    The layout is the one ``_ops.compress`` sizes: from the workspace's first
     ``WORKSPACE_ALIGN``-byte boundary, partials, then one scratch row per thread, all
     in the accumulator dtype (rows are whole multiples of 64 bytes, so every row
     starts at a boundary too).
@@ -152,9 +156,9 @@ def simd_fits(plan, x, out):
 
 
 def backward_vector(plan, x, ig):
-    """Whether the backward can run its token pairs in ``_simd`` vectors
+    """Whether the backward can run its token pairs in ``_kernels.simd`` vectors
     (``compress_backward_simd``) on storage views ``x`` and ``ig``: D a multiple of
-    their width, unit-stride rows of one dtype that ``_simd`` converts, and compiled
+    their width, unit-stride rows of one dtype that ``_kernels.simd`` converts, and compiled
     code."""
     return (not numba.config.DISABLE_JIT and plan.D % _simd.SHORT_WIDTH == 0
             and x.dtype == ig.dtype and _simd.row_fits(x) and _simd.row_fits(ig))
@@ -289,7 +293,7 @@ OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
     """A training call that ran, ready to run again on new arrays of the same
-    signature (``_pipeline``): its kernel, which takes the caller's arrays in their
+    signature (``_ops.pipeline``): its kernel, which takes the caller's arrays in their
     storage dtype and own shape, and what it takes after them besides the scratch."""
     op: str                  # "forward" or "grad"
     kernel: object           # Recipe.kernel

@@ -1,9 +1,9 @@
 """One path for every call of every operator: validate -> plan -> allocate -> launch.
 
-An operator is an :class:`Operator` record, registered once (``_operators``): its
+An operator is an :class:`Operator` record, registered once (``_ops.operators``): its
 planner checks every argument and returns a plan (nothing allocated, nothing
 written); the pipeline then allocates the outputs the caller left to it (from the
-output pool, ``_pool``) and has the operator launch its kernels. The NumPy API, the
+output pool, ``_core.pool``) and has the operator launch its kernels. The NumPy API, the
 PyTorch bridge and the aclnn mirror all call through here; the aclnn mirror splits
 the path where its two phases do (:func:`plan`, then :func:`launch` with the
 caller's workspace).
@@ -15,7 +15,7 @@ shapes, dtypes and sequence lengths. An operator may give a *signature*: everyth
 its checks read of a call (types, dtypes, shapes, strides, writability, the integers
 and sequence values; never the contents), exactly, or None where equality would not
 mean the same checks. After a call succeeds, the operator's ``prepare`` makes a
-prepared call (``_dispatch.Prepared``), kept under the signature in the prepared-call
+prepared call (``_ops.dispatch.Prepared``), kept under the signature in the prepared-call
 cache; a later call with the same signature passes the same checks and gets the
 same plan, so the operator's ``fast`` path runs the prepared call on the new arrays
 (which checks in machine code that the outputs share no memory with the inputs).
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._cache import BoundedCache
-from ._errors import invalid
+from .._core.cache import BoundedCache
+from .._core.errors import invalid
 
 #: most prepared calls kept, and most bytes of tile tables they may hold
 CACHED_CALLS = 256

@@ -30,7 +30,7 @@ def _flag(name):
 
 
 def pool_budget():
-    """The output pool's budget in bytes (``_pool``)."""
+    """The output pool's budget in bytes (``_core.pool``)."""
     text = os.environ.get(POOL_BUDGET, "").strip()
     if not text:
         return DEFAULT_POOL_MB << 20
@@ -46,5 +46,5 @@ def quiet():
 
 
 def boundscheck():
-    """Whether kernels compile with bounds checks and no disk cache (``_jit``)."""
+    """Whether kernels compile with bounds checks and no disk cache (``_core.jit``)."""
     return _flag(BOUNDSCHECK)

@@ -16,7 +16,7 @@ storage     format           decode / encode
 =========== ================ =========================================
 
 Inputs read at a step of 2 or 4 elements arrive as wider words, each holding one
-element and the gap after it (``_layouts.word_view``): ``uint32``/``uint64`` words
+element and the gap after it (``_ops.layouts.word_view``): ``uint32``/``uint64`` words
 hold a float16 in their low 16 bits, ``int32``/``int64`` a bfloat16, ``complex64``/
 ``complex128`` a float32/float64 as the real part. :func:`widen` decodes those too.
 
@@ -37,11 +37,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from . import _target
-from ._jit import jit
+from .._core.jit import jit
+from . import target as _target
 
-
-#: the instructions float16 conversions use (``_target.half_conversions``), or None
+#: the instructions float16 conversions use (``_kernels.target.half_conversions``), or None
 #: for the portable code
 HALF_INSTRUCTIONS = _target.half_conversions()
 HARDWARE_HALF = HALF_INSTRUCTIONS is not None

@@ -14,7 +14,7 @@ sequences back to back from token 0. Every other cache row is left as it was.
 
 :func:`plan_infer` checks everything and works out, in one compiled pass
 (:func:`_writer_tables`), which sequences write, their cache rows and where each of
-their window's tokens lives, so the kernel (``_kernels.compress_infer``) gathers
+their window's tokens lives, so the kernel (``_kernels.compress.compress_infer``) gathers
 through no table of its own. Nothing is written before a plan exists.
 
 Status codes: 161001 for a required array that is None; 561002 for what the NPU's
@@ -32,13 +32,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _seqlens
-from ._errors import invalid, missing, tiling
-from ._jit import BOUNDSCHECK, jit
-from ._layouts import c_carrier
-from ._plan import (ACCUMULATOR, STORAGE, TILE_ELEMENTS, WORKSPACE_ALIGN, Rules,
-                    check_no_overlap, kind_of, scratch_slots)
-from ._plan import check_array as _array, check_int as _int
+from .._core.errors import invalid, missing, tiling
+from .._core.jit import BOUNDSCHECK, jit
+from . import seqlens as _seqlens
+from .checks import (
+    ACCUMULATOR,
+    STORAGE,
+    WORKSPACE_ALIGN,
+    Rules,
+    check_int,
+    check_no_overlap,
+    kind_of,
+    scratch_slots,
+)
+from .checks import check_array as _array
+from .compress import TILE_ELEMENTS
+from .layouts import c_carrier
 
 PY_NAMES = {
     "input": "input", "weight": "weight", "slot_mapping": "slot_mapping",
@@ -58,7 +67,7 @@ EVEN_N_ABOVE = 50
 
 
 def infer_rules(op, **options):
-    """The :class:`~nsa_numba._plan.Rules` of an entry point of this operator, with
+    """The :class:`~nsa_numba._ops.checks.Rules` of an entry point of this operator, with
     its NumPy API's parameter names unless ``options`` gives others."""
     options.setdefault("names", dict(PY_NAMES))
     return Rules(op, **options)
@@ -66,8 +75,8 @@ def infer_rules(op, **options):
 
 @dataclass(frozen=True, kw_only=True)
 class InferPlan:
-    """A validated decoding step, ready to run (``_dispatch.run_infer``): what the
-    pipeline reads of a plan (``_plan.Plan``), and the writers' gather table."""
+    """A validated decoding step, ready to run (``_ops.dispatch.run_infer``): what the
+    pipeline reads of a plan (``compress.Plan``), and the writers' gather table."""
     dtype: np.dtype
     N: int
     D: int
@@ -306,9 +315,9 @@ def plan_infer(rules, x, weight, slot_mapping, block, stride, page, block_table,
             raise missing(op, names[key])
     if actual_seq_len is None:
         raise missing(op, names["actual_seq_len"])
-    block, stride, page = _int(rules, "block", block), _int(rules, "stride", stride), \
-        _int(rules, "page", page)
-    seq_type = _int(rules, "actual_seq_len_type", seq_type)
+    block, stride, page = check_int(rules, "block", block), check_int(rules, "stride", stride), \
+        check_int(rules, "page", page)
+    seq_type = check_int(rules, "actual_seq_len_type", seq_type)
     if seq_type != _seqlens.LENGTHS:
         type_name = names.get("actual_seq_len_type", "actual_seq_len_type")
         raise tiling(op, f"{type_name} must be 1 (per-sequence lengths, "

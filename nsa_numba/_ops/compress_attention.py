@@ -25,12 +25,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _attention, _launch, _seqlens
-from ._dense import DensePlan, chunks, unbounded
-from ._errors import invalid, tiling
-from ._plan import Rules, check_no_overlap
-from ._select import (STAT_LANES, _int, _output, _scale, _starts,
-                      _stat_dtype, check_heads, check_saved, paired_starts)
+from .._core import launch as _launch
+from .._core.errors import invalid, tiling
+from .._kernels import attention as _attention
+from . import seqlens as _seqlens
+from .checks import Rules, check_int, check_no_overlap
+from .dense import DensePlan, chunks, unbounded
+from .select import (
+    STAT_LANES,
+    _output,
+    _scale,
+    _starts,
+    _stat_dtype,
+    check_heads,
+    check_saved,
+    paired_starts,
+)
 
 PY_NAMES = {
     "query": "query", "key": "key", "value": "value", "scale": "scale_value",
@@ -56,7 +66,7 @@ MAX_GRAD_DIM = 768
 
 
 def compress_attention_rules(op, **options):
-    """The :class:`~nsa_numba._plan.Rules` of an entry point of compressed attention."""
+    """The :class:`~nsa_numba._ops.checks.Rules` of an entry point of compressed attention."""
     options.setdefault("names", dict(PY_NAMES))
     return Rules(op, **options)
 
@@ -148,8 +158,9 @@ def plan_compress_attention(rules, query, key, value, scale, head_num, block, st
     query, key, value = check_heads(rules, query, key, value, head_num, "Tc")
     dtype = query.dtype
     scale = _scale(rules, scale)
-    block, stride = _int(rules, "block", block), _int(rules, "stride", stride)
-    select_block, count = _int(rules, "select_block", select_block), _int(rules, "count", count)
+    block, stride = check_int(rules, "block", block), check_int(rules, "stride", stride)
+    select_block = check_int(rules, "select_block", select_block)
+    count = check_int(rules, "count", count)
     T1, N1, D = query.shape
     Tc, N2, _ = key.shape
     Dv = value.shape[2]

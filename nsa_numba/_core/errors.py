@@ -18,7 +18,7 @@ class NsaError(ValueError):
     ``status`` is the aclnn status code the NPU returns for the same input:
     161001 (``ACLNN_ERR_PARAM_NULLPTR``) for a required tensor that is None,
     561002 (``ACLNN_ERR_INNER_TILING_ERROR``) for what the with-cache operator's
-    tiling rejects (see ``_infer``), 161002 (``ACLNN_ERR_PARAM_INVALID``) for
+    tiling rejects (see ``_ops.infer``), 161002 (``ACLNN_ERR_PARAM_INVALID``) for
     everything else.
     """
 

@@ -1,12 +1,12 @@
 """What the planner writes and the kernels read: the tile table's columns and the
 per-thread scratch sizes of the training kernels.
 
-Both ``_plan`` (which builds the table and sizes the workspace) and ``_kernels``
+Both ``_ops.compress`` (which builds the table and sizes the workspace) and ``_kernels.compress``
 (which read them) import this module; neither imports the other for it. The table
-is described in ``_plan.tile_schedule``, the scratch in ``_plan``'s docstring.
+is described in ``_ops.compress.tile_schedule``, the scratch in ``_ops.compress``'s docstring.
 """
 
-from ._jit import jit
+from .._core.jit import jit
 
 # columns of the tile table, one row per tile
 BATCH, S0, NW, KW0, I0, I1, TOK_LO, TOK_HI, G0, G1 = range(10)

@@ -1,6 +1,6 @@
 """Sixteen float32 lanes as one value, for the attention kernels' register tiles.
 
-The attention kernels (``_attention``) multiply small matrices: four query heads (or
+The attention kernels (``_kernels.attention``) multiply small matrices: four query heads (or
 four keys) by 64 or 16 consecutive lanes, over a depth of up to a few thousand. Their
 tiles keep 16 sums of 16 lanes each in registers (an AVX-512 target's 32 registers
 hold them with room for the operands; a narrower target splits each value into two
@@ -46,7 +46,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from ._jit import BOUNDSCHECK, jit
+from .._core.jit import BOUNDSCHECK, jit
 
 LANES = 16
 
@@ -228,7 +228,7 @@ def _narrow_to(builder, aryty, ptr, v):
 @intrinsic
 def lstore_narrow(typingctx, arr, i, value):
     """``arr[i:i + 16] = value`` rounded to the storage of 1-D ``arr``: float32 as is;
-    bfloat16 (int16) to nearest even, NaN kept quiet (as ``_halfprec.f32_to_bf16``);
+    bfloat16 (int16) to nearest even, NaN kept quiet (as ``_kernels.halfprec.f32_to_bf16``);
     float16 (uint16) by LLVM's ``fptrunc`` (nearest even: the caller uses it only
     where the CPU converts in hardware)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(i, types.Integer)

@@ -1,11 +1,11 @@
 """Validation and planning of the training compress operators: their rules and
-planners (``_operators`` registers them with the pipeline).
+planners (``_ops.operators`` registers them with the pipeline).
 
 ``plan_forward`` and ``plan_grad`` check every argument, work out the sequence
 geometry and the tile schedule, and return a :class:`Plan`. Nothing is written or
 allocated before a plan exists, so a rejected call leaves every output untouched.
 (A call that comes again with everything these checks read unchanged, its
-signature, runs the prepared call of the first, ``_pipeline``; the checks it skips
+signature, runs the prepared call of the first, ``_ops.pipeline``; the checks it skips
 would have given the same answers.) The Python API (``nsa_numba.nsa_compress``...),
 torch and the aclnn mirror differ only in the :class:`Rules` they pass: parameter
 names, the dtypes allowed, whether missing outputs are allocated, and strictness.
@@ -13,7 +13,7 @@ names, the dtypes allowed, whether missing outputs are allocated, and strictness
 Tiles
 -----
 Sequences are the packed ones of TND or the batch rows of a padded layout (all
-viewed as ``[B, S, N, D]``, see ``_layouts``). Windows of each sequence are cut into
+viewed as ``[B, S, N, D]``, see ``_ops.layouts``). Windows of each sequence are cut into
 runs of ``W`` windows (``windows_per_tile``). A tile is one run, all heads; the
 parallel kernels run one tile per iteration.
 ``W`` depends on the problem only, never on the thread count, which is what makes
@@ -39,23 +39,48 @@ protocol), in accumulator-dtype elements (4 bytes; 8 for float64):
   decoded gradient rows and per-element weight-gradient sums
   (``(ceil(l/d) + 1 + l) * N * D + 2 * D``), each rounded up to 16 elements.
 
-Slots are indexed by Numba's thread id; what a slot holds never reaches a result
+Slots are the launch's threads (``_core.launch``); what a slot holds never reaches a result
 through anything but the fixed-order sums above.
 """
 
-import functools
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 
-from . import _pool, _seqlens
-from ._cache import BoundedCache
-from ._errors import invalid, missing
-from ._jit import BOUNDSCHECK, jit
-from ._layouts import LAYOUTS, c_carrier, word_view
-from ._tiles import (BATCH, G0, G1, I0, I1, KW0, N_TILE_COLUMNS, NW, S0, TOK_HI, TOK_LO,
-                     backward_scratch_elements, forward_scratch_elements)
+from .._core import pool as _pool
+from .._core.cache import BoundedCache
+from .._core.errors import invalid, missing
+from .._core.jit import BOUNDSCHECK, jit
+from .._kernels.tiles import (
+    BATCH,
+    G0,
+    G1,
+    I0,
+    I1,
+    KW0,
+    N_TILE_COLUMNS,
+    NW,
+    S0,
+    TOK_HI,
+    TOK_LO,
+    backward_scratch_elements,
+    forward_scratch_elements,
+)
+from . import seqlens as _seqlens
+from .checks import (
+    ACCUMULATOR,
+    STORAGE,
+    WORKSPACE_ALIGN,
+    check_array,
+    check_int,
+    check_no_overlap,
+    check_output,
+    check_same_dtype,
+    kind_of,
+    round16,
+    scratch_slots,
+)
+from .layouts import LAYOUTS, c_carrier, word_view
 
 #: target input elements per tile (all heads): big enough to amortise the window
 #: overlap at tile edges and the per-tile setup, small enough to spread work over
@@ -67,72 +92,12 @@ TILE_ELEMENTS = 1 << 16
 #: slower with longer tiles (docs/performance.md, "Figures behind the code's choices")
 TILE_BLOCKS = {"forward": 8, "grad": 32}
 
-#: the supported dtypes, by name. bfloat16 arrays come from ml_dtypes, which the
-#: library does not import (it takes most of a second to import): a
-#: bfloat16 array exists only once its creator has imported it, and is recognised
-#: by its dtype's name and size.
-FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = "float16", "bfloat16", "float32", "float64"
-#: the dtype arrays of each kind are viewed as inside the kernels (see _halfprec)
-STORAGE = {FLOAT16: np.dtype(np.uint16), BFLOAT16: np.dtype(np.int16),
-           FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
-#: accumulation dtype: float32, except float64 problems
-ACCUMULATOR = {FLOAT16: np.dtype(np.float32), BFLOAT16: np.dtype(np.float32),
-               FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
-
-
-#: a run starts its scratch at this byte boundary of the workspace it is given: the
-#: kernels' vector stores to the scratch then never straddle a cache line (NumPy
-#: returns buffers 16 or 32 bytes past one, which slowed both kernels: docs/
-#: performance.md, "Figures behind the code's choices").
-WORKSPACE_ALIGN = 64
 
 #: roles the kernels only read, and roles they write
 INPUT_ROLES = ("input", "grad")
 OUTPUT_ROLES = ("out", "input_grad", "weight_grad")
 #: outputs the kernels take as [B, S, N, D] views
 VIEWED_OUTPUTS = ("out", "input_grad")
-
-
-@functools.lru_cache(maxsize=64)
-def kind_of(dtype):
-    """The supported kind (a name above) of a numpy dtype, or None."""
-    if dtype.name == BFLOAT16 and dtype.itemsize == 2 and dtype.kind == "V":
-        return BFLOAT16
-    for name in (FLOAT16, FLOAT32, FLOAT64):
-        if dtype == np.dtype(name):   # native byte order only
-            return name
-    return None
-
-
-PY_NAMES = {
-    "input": "input", "weight": "weight", "grad": "grad", "out": "out",
-    "input_grad": "input_grad", "weight_grad": "weight_grad",
-    "block": "compress_block_size", "stride": "compress_stride",
-    "actual_seq_len": "actual_seq_len", "actual_seq_len_type": "actual_seq_len_type",
-    "layout": "layout", "strict": "strict",
-}
-#: the parameters only some entry points have: a message mentions one only when the
-#: entry point's ``Rules.names`` has it (the torch functions take none of them)
-OPTIONAL_NAMES = ("layout", "actual_seq_len_type", "strict")
-
-
-def without_options(names):
-    """``names`` without the optional parameters (``OPTIONAL_NAMES``)."""
-    return {k: v for k, v in names.items() if k not in OPTIONAL_NAMES}
-
-
-@dataclass(frozen=True)
-class Rules:
-    """What differs between the entry points of an operator (the NumPy API, torch,
-    aclnn); the checks themselves do not. Every operator's planner takes one."""
-    op: str                         # the entry point's name, in messages
-    names: dict = field(default_factory=lambda: dict(PY_NAMES))    # role -> parameter
-    dtypes: tuple = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
-    strict: bool = True
-    allocate_outputs: bool = True   # False: a None output is an error (161001)
-    #: the dtype index arrays must have (None: any integer dtype, and lists or tuples
-    #: of integers too)
-    index_dtype: object = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +110,7 @@ class Plan:
     ``pending``: the outputs the caller left to be allocated, role -> shape
     (``allocate`` fills them in).
 
-    What the pipeline reads of every operator's plan (``_pipeline``): ``op``,
+    What the pipeline reads of every operator's plan (``_ops.pipeline``): ``op``,
     ``dtype``, ``arrays``, ``allocate()``, ``workspace_bytes``, ``threads_useful``
     and ``summary()``.
     """
@@ -209,7 +174,7 @@ class Plan:
         """What the kernels take for ``role``: its ``[B, S, N, D]`` view (as a padded
         C-contiguous carrier when possible, except in the bounds-checked build, which
         must check against the array's own extent) or its array, in the storage dtype;
-        an input read at a step of 2 or 4 elements as words (``_layouts.word_view``)
+        an input read at a step of 2 or 4 elements as words (``_ops.layouts.word_view``)
         when their gap bytes are not written by the run (outputs, ``workspace``)."""
         storage = STORAGE[kind_of(self.dtype)]
         if role == "weight":
@@ -236,102 +201,6 @@ def weight_storage(weight, storage):
 
 
 # -- argument checks -------------------------------------------------------------
-
-def check_int(rules, key, value):
-    return _seqlens.as_int64(rules.op, rules.names.get(key, key), value)
-
-
-def check_array(rules, key, a, ndim, dims):
-    name = rules.names[key]
-    if a is None:
-        raise missing(rules.op, name)
-    if not isinstance(a, np.ndarray):
-        raise invalid(rules.op, f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != ndim:
-        raise invalid(rules.op, f"{name} must be {ndim}-D {dims}, got {a.ndim}-D array "
-                                f"of shape {a.shape}")
-    if kind_of(a.dtype) not in rules.dtypes:
-        allowed = ", ".join(rules.dtypes)
-        raise invalid(rules.op, f"{name} dtype must be one of {allowed}, got {a.dtype}")
-    if rules.strict and a.size == 0:
-        raise invalid(rules.op, f"{name} must not be empty, got shape {a.shape}")
-    return a
-
-
-def _check_same_dtype(rules, dtype, key, a):
-    if a.dtype != dtype:
-        raise invalid(rules.op, f"{rules.names[key]} dtype must equal "
-                                f"{rules.names['input']} dtype {dtype}, got {a.dtype}")
-
-
-def _check_output(rules, key, a, shape, dtype, dims):
-    """A caller-provided output, checked (None stays None when the rules allocate
-    missing outputs: ``Plan.allocate`` does, once every check has passed)."""
-    if a is None and rules.allocate_outputs:
-        return None
-    check_array(rules, key, a, len(shape), dims)
-    name = rules.names[key]
-    if a.shape != tuple(shape):
-        raise invalid(rules.op, f"{name} must have shape {tuple(shape)}, got {a.shape}")
-    _check_same_dtype(rules, dtype, key, a)
-    if not a.flags.writeable:
-        raise invalid(rules.op, f"{name} must be writable, got a read-only array")
-    return a
-
-
-def overlaps(a, b):
-    """Whether two arrays share memory; when that is too hard to decide, assume so."""
-    if not np.may_share_memory(a, b):
-        return False
-    try:
-        return bool(np.shares_memory(a, b, max_work=1 << 20))
-    except np.exceptions.TooHardError:
-        return True
-
-
-def self_overlaps(a):
-    """Whether two elements of ``a`` share a byte (a stride of 0 over an axis of more
-    than one element, say); when that is too hard to decide, assume so."""
-    if a.size <= 1:
-        return False
-    span = a.itemsize
-    for stride, n in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
-        if stride < span:
-            break
-        span += stride * (n - 1)
-    else:
-        return False                # each axis steps past everything the axes below span
-    if a.size > SELF_OVERLAP_EXACT:
-        return True
-    offsets = np.zeros(1, np.int64)
-    for s, n in zip(a.strides, a.shape):
-        offsets = (offsets[:, None] + s * np.arange(n, dtype=np.int64)).reshape(-1)
-    offsets.sort()
-    return bool((np.diff(offsets) < a.itemsize).any())
-
-
-#: elements up to which ``self_overlaps`` decides an unusual layout by listing the
-#: offsets of its elements (32 MiB of them); a larger one is refused
-SELF_OVERLAP_EXACT = 1 << 22
-
-
-def check_no_overlap(rules, outputs, inputs):
-    """The outputs the caller gave (None: allocated later) must share no memory with
-    each other, with any array of ``inputs`` (everything the call reads: other values
-    are passed over), nor between their own elements. NsaError naming both arrays."""
-    keys = [k for k, a in outputs.items() if a is not None]
-    readers = [(k, a) for k, a in inputs.items() if isinstance(a, np.ndarray)]
-    for i, okey in enumerate(keys):
-        out = outputs[okey]
-        if self_overlaps(out):
-            raise invalid(rules.op, f"{rules.names[okey]} has elements that share memory "
-                                    f"(shape {out.shape}, strides {out.strides}); an output "
-                                    f"must have a place of its own for every element")
-        for key, a in readers + [(k, outputs[k]) for k in keys[i + 1:]]:
-            if overlaps(out, a):
-                raise invalid(rules.op, f"{rules.names[okey]} overlaps {rules.names[key]} in "
-                                        f"memory; outputs must not share memory with the "
-                                        f"inputs or with each other")
 
 
 def _check_window(rules, block, stride):
@@ -390,7 +259,7 @@ def _check_input_and_weight(rules, layout, x, weight, block):
     """(x, weight, (B, S, N, D))."""
     x = check_array(rules, "input", x, layout.ndim, _dims(rules, layout))
     weight = check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
-    _check_same_dtype(rules, x.dtype, "weight", weight)
+    check_same_dtype(rules, x.dtype, "weight", weight)
     xname, wname = rules.names["input"], rules.names["weight"]
     heads = weight.shape[1]
     if layout.name in ("BSH", "SBH"):
@@ -438,7 +307,7 @@ def _tables(rules, op, layout, B, S, block, stride, N, D, actual_seq_len, seq_ty
     sequence values as checked integers and how to read them, B, S, l, d, N and D.
     Values that fail a check raise before anything is kept, so a kept entry only
     ever answers values that passed. The tables are shared by the plans that use
-    them: nothing writes them. (The prepared-call cache, ``_pipeline``, answers a call
+    them: nothing writes them. (The prepared-call cache, ``_ops.pipeline``, answers a call
     that comes again with the same arrays' layout before planning starts; these tables
     serve the calls it cannot: strided and padded-layout arrays, aclnn's phase one, and
     every signature's first call. docs/design.md, "Calls that come again".)
@@ -485,7 +354,7 @@ def _check_no_sequences(rules, layout, actual_seq_len):
 
 def _sequences(rules, layout, B, S, block, stride, values, kind):
     """The Sequences of a problem (``_tables`` keeps them); a packed layout's from
-    the type-checked ``values`` and ``kind`` of ``_seqlens.sequence_values``."""
+    the type-checked ``values`` and ``kind`` of ``_ops.seqlens.sequence_values``."""
     if layout.packed:
         offsets, lengths, counts, rows = _seqlens.packed_tables(
             rules.op, values, kind, S, block, stride, rules.names)
@@ -514,7 +383,7 @@ def windows_per_tile(op, block, stride, N, D):
 def tile_schedule(op, seqs, block, stride, N, D):
     """The tile table described in the module docstring, one row per tile.
 
-    Columns (named in ``_tiles``): BATCH the batch row, S0 sequence start token
+    Columns (named in ``_kernels.tiles``): BATCH the batch row, S0 sequence start token
     (within the row), NW windows in the sequence, KW0 output row of its first
     window, I0..I1 the tile's windows (sequence-local), TOK_LO..TOK_HI the tokens
     whose input gradient it owns, G0..G1 the windows that touch those tokens.
@@ -557,15 +426,6 @@ def _fill_tiles(batch, start, length, first_row, windows, per_tile, block, strid
     return tiles
 
 
-def _round16(elements):
-    return -(-int(elements) // 16) * 16
-
-
-def scratch_slots():
-    """Threads a launch may use: Numba's ceiling, fixed at its start."""
-    return int(numba.config.NUMBA_NUM_THREADS)
-
-
 # -- the two planners ------------------------------------------------------------
 
 def _layout_is(rules, layout):
@@ -600,7 +460,7 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
                           actual_seq_len, seq_type)
     given = {"out": out} if out is not None else {}
     out_shape = layout.shape(B, seqs.out_rows, N, D)
-    out = _check_output(rules, "out", out, out_shape, x.dtype, _window_dims(rules, layout))
+    out = check_output(rules, "out", out, out_shape, x.dtype, _window_dims(rules, layout))
     check_no_overlap(rules, given, {"input": x, "weight": weight})
     scratch = forward_scratch_elements(N, D, block, stride)
     views = {"input": layout.view4(x, N)}
@@ -609,7 +469,7 @@ def plan_forward(rules, x, weight, block, stride, actual_seq_len, seq_type, layo
     return Plan(op="forward", dtype=x.dtype, layout=layout.name, B=B, S=S, N=N, D=D,
                 block=block, stride=stride, out_rows=seqs.out_rows, tiles=tiles,
                 partial_elements=0, scratch_slots=scratch_slots(),
-                scratch_elements=_round16(scratch),
+                scratch_elements=round16(scratch),
                 arrays={"input": x, "weight": weight, "out": out}, views=views,
                 pending={} if out is not None else {"out": out_shape})
 
@@ -623,7 +483,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     layout = _check_layout(rules, layout)
     x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
     grad = check_array(rules, "grad", grad, layout.ndim, _window_dims(rules, layout))
-    _check_same_dtype(rules, x.dtype, "grad", grad)
+    check_same_dtype(rules, x.dtype, "grad", grad)
     seq_type = _check_seq_type(rules, seq_type)
     seqs, tiles = _tables(rules, "grad", layout, B, S, block, stride, N, D, actual_seq_len,
                           seq_type)
@@ -634,9 +494,9 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
                                 f"sequence), got {grad.shape}")
     given = {k: v for k, v in (("input_grad", input_grad), ("weight_grad", weight_grad))
              if v is not None}
-    input_grad = _check_output(rules, "input_grad", input_grad, x.shape, x.dtype,
+    input_grad = check_output(rules, "input_grad", input_grad, x.shape, x.dtype,
                                _dims(rules, layout))
-    weight_grad = _check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
+    weight_grad = check_output(rules, "weight_grad", weight_grad, weight.shape, x.dtype,
                                 f"[{rules.names['block']}, N]")
     check_no_overlap(rules, given, {"grad": grad, "input": x, "weight": weight})
     scratch = backward_scratch_elements(N, D, block, stride)
@@ -648,8 +508,8 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
                if a is None}
     return Plan(op="grad", dtype=x.dtype, layout=layout.name, B=B, S=S, N=N, D=D,
                 block=block, stride=stride, out_rows=seqs.out_rows, tiles=tiles,
-                partial_elements=_round16(tiles.shape[0] * N * block),
-                scratch_slots=scratch_slots(), scratch_elements=_round16(scratch),
+                partial_elements=round16(tiles.shape[0] * N * block),
+                scratch_slots=scratch_slots(), scratch_elements=round16(scratch),
                 arrays={"grad": grad, "input": x, "weight": weight,
                         "input_grad": input_grad, "weight_grad": weight_grad},
                 views=views, pending=pending)

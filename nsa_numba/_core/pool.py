@@ -41,7 +41,7 @@ import threading
 
 import numpy as np
 
-from . import _config
+from . import config as _config
 
 #: outputs smaller than this are allocated (the C library's free lists serve them)
 MIN_BYTES = 4 << 20

@@ -1,7 +1,7 @@
-"""The attention kernels: selected attention (planned by ``_select``) and dense
+"""The attention kernels: selected attention (planned by ``_ops.select``) and dense
 attention, the keys of a sequence its band and mask leave visible (fusion and
-compressed attention, planned by ``_dense`` through ``_fusion`` and
-``_compress_attention``), each a forward and a backward in two passes; the planners
+compressed attention, planned by ``_ops.dense`` through ``_ops.fusion`` and
+``_ops.compress_attention``), each a forward and a backward in two passes; the planners
 document the operators. Here the arithmetic, told for selected attention:
 
 * **staging** (:func:`select_stage`): each block of ``l'`` keys of each KV head, as
@@ -31,7 +31,7 @@ visible range meets (``dense_ranges``); compressed attention's forward
 (``cmp_forward``) adds the importance of each block of raw keys and the top-k.
 
 All products go through :func:`_mm`, one register tile whose per-element sum runs
-over its depth in order with fused multiply-adds (``_lanes``); float64 problems take
+over its depth in order with fused multiply-adds (``_kernels.lanes``); float64 problems take
 its scalar form (the same order). Scratch comes from the workspace, one slot per
 thread, indexed by Numba's thread id; nothing in a slot reaches a result except
 through those fixed-order sums.
@@ -43,20 +43,38 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._halfprec import HARDWARE_HALF, narrow, widen
-from ._jit import BOUNDSCHECK, OVERLOAD_OPTIONS, jit
-from ._launch import claim, next_unit
-from ._lanes import check_lanes, exp32, fma, ladd, lexp, lfma, lload, lmax, lmax_of, lmul
-from ._lanes import ldiv, lload_wide, lload_wide_at, lstore, lstore_narrow_at, lsub, lsum
-from ._lanes import lzeros
+from .._core.jit import BOUNDSCHECK, OVERLOAD_OPTIONS, jit
+from .._core.launch import claim, next_unit
+from .halfprec import HARDWARE_HALF, narrow, widen
+from .lanes import (
+    check_lanes,
+    exp32,
+    fma,
+    ladd,
+    ldiv,
+    lexp,
+    lfma,
+    lload,
+    lload_wide,
+    lload_wide_at,
+    lmax,
+    lmax_of,
+    lmul,
+    lstore,
+    lstore_narrow_at,
+    lsub,
+    lsum,
+    lzeros,
+)
 
 # The compile cache is keyed on this file's text only. These digests tie it to the
 # helper modules the kernels inline; tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
-    "_halfprec.py": "3fa88f180cff49fe",
-    "_jit.py": "b1940bfba2475671",
-    "_launch.py": "46ef0ac6176e5d1c",
-    "_lanes.py": "f683dcc715711807",
+    "halfprec.py": "f53894f44485c238",
+    "../_core/jit.py": "a6f517ee95725b3e",
+    "../_core/launch.py": "8ab1a4bbfaa39539",
+    "lanes.py": "f4a057aad7d37f0a",
+    "target.py": "03997255e397a5e2",
 }
 
 #: the score a masked key gets (float32's lowest finite value, as the NPU writes)
@@ -433,7 +451,7 @@ def check_row(x, a, s, h, e):
 # -- softmax pieces ------------------------------------------------------------------
 
 def _exp(x):
-    """exp in the accumulator dtype: ``_lanes.exp32`` for float32, the C library's for
+    """exp in the accumulator dtype: ``_kernels.lanes.exp32`` for float32, the C library's for
     float64."""
     return np.exp(x)
 
@@ -1037,7 +1055,7 @@ def select_grad_dkdv(work, slot, q, grad, out_fwd, smax, ssum, topk, q_starts, b
 
 # -- dense attention: every key of a sequence, masked --------------------------------
 #
-# Fusion attention (``_fusion``) and compressed attention (``_compress_attention``).
+# Fusion attention (``_ops.fusion``) and compressed attention (``_ops.compress_attention``).
 # A query row sees the keys of its sequence in ``[lo, hi)`` that its sequence's
 # geometry (the sparse mode's band) admits and its mask row, when there is one, leaves
 # visible: ``ranges[t, r]`` (``r``: the mask's head, 0 unless the mask has one per
@@ -1058,7 +1076,7 @@ CHUNK = 64
 #: row for all of them)
 UNIT_RUN = 8
 #: query rows (tokens times heads) a dense forward or dq unit computes together: it
-#: takes ``max(1, UNIT_ROWS // Gu)`` consecutive tokens (``_dense.DensePlan.tokens``)
+#: takes ``max(1, UNIT_ROWS // Gu)`` consecutive tokens (``_ops.dense.DensePlan.tokens``)
 UNIT_ROWS = 16
 #: a bound no position reaches: a sequence's geometry without a band
 UNBOUNDED = 1 << 40

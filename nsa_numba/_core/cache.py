@@ -1,8 +1,8 @@
 """The library's caches: bounded in entries and in bytes, safe across threads and
 emptied in forked children.
 
-Two use it: the prepared-call cache of ``_pipeline`` (calls that come again) and
-the planner's tile tables (``_plan``). Neither holds arrays of the caller: only
+Two use it: the prepared-call cache of ``_ops.pipeline`` (calls that come again) and
+the planner's tile tables (``_ops.compress``). Neither holds arrays of the caller: only
 what checking and planning derived from an argument's types, shapes, strides and
 sequence values.
 """

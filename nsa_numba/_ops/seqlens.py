@@ -11,8 +11,8 @@ import numbers
 
 import numpy as np
 
-from ._errors import invalid
-from ._jit import jit
+from .._core.errors import invalid
+from .._core.jit import jit
 
 CUMULATIVE = 0   # actual_seq_len holds the running ends of the sequences
 LENGTHS = 1      # actual_seq_len holds one length per sequence

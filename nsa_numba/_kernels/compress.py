@@ -1,14 +1,14 @@
 """The compiled kernels. They take only preallocated arrays and integers.
 
-Arrays arrive as storage views (see ``_halfprec``): ``x``, ``g`` and the outputs as
-``[B, S, N, D]`` views (``_layouts``) in their storage dtype with any strides,
+Arrays arrive as storage views (see ``_kernels.halfprec``): ``x``, ``g`` and the outputs as
+``[B, S, N, D]`` views (``_ops.layouts``) in their storage dtype with any strides,
 ``w`` as the weight ``[l, N]`` (each kernel first widens it into ``wt``, ``[N, l]``
 in the accumulator dtype: ``weight_table``), ``tiles`` as the table from
-``_plan.tile_schedule``. N comes from ``wt`` and D is an argument,
+``_ops.compress.tile_schedule``. N comes from ``wt`` and D is an argument,
 never an array's shape: an array may arrive as a C-contiguous carrier padded beyond
-its own extent (``_layouts.c_carrier``), of which the kernels index only
+its own extent (``_ops.layouts.c_carrier``), of which the kernels index only
 ``[:, :, :N, :D]``. An input read at a step of elements may arrive as words
-(``_layouts.word_view``); ``widen`` takes its element from each word. (The training
+(``_ops.layouts.word_view``); ``widen`` takes its element from each word. (The training
 kernels at the end of the file also take C-contiguous arrays of other shapes, which
 they reshape to those views themselves.)
 
@@ -26,7 +26,7 @@ order fixed by the problem, not by how tiles land on threads:
 
 The inner loops run over D, so LLVM vectorises them; every stored element is
 converted once, in registers. (``_forward_simd`` instead keeps its window
-sums in explicit vectors, ``_simd``, and loops over tokens.) The kernels index the
+sums in explicit vectors, ``_kernels.simd``, and loops over tokens.) The kernels index the
 arrays in place (``x[b, t, n, e]``), never through row views (``x[b, t, n]``):
 Numba counts references to every view it makes with an atomic add on the parent
 array's shared counter, and with all threads bumping the same counter once per
@@ -37,26 +37,39 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._halfprec import narrow, widen
-from ._jit import OVERLOAD_OPTIONS, jit
-from ._launch import FINISH, claim, next_unit
-from ._prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
-from ._simd import (SHORT_WIDTH, WIDTH, check_row, check_span, vload,
-                    vload_row_short, vload_row_split, vload_short, vmul_add, vstore, vstore_row,
-                    vstore_row_split, vzeros, vzeros_short)
-from ._tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
+from .._core.jit import OVERLOAD_OPTIONS, jit
+from .._core.launch import FINISH, claim, next_unit
+from .halfprec import narrow, widen
+from .prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
+from .simd import (
+    SHORT_WIDTH,
+    WIDTH,
+    check_row,
+    check_span,
+    vload,
+    vload_row_short,
+    vload_row_split,
+    vload_short,
+    vmul_add,
+    vstore,
+    vstore_row,
+    vstore_row_split,
+    vzeros,
+    vzeros_short,
+)
+from .tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 
 # The compile cache is keyed on this file's text only. These digests tie it to
 # the helper modules the kernels inline (and _target, whose choices shape them);
 # tests/test_cache_keys.py keeps them true.
 CACHE_DEPENDS = {
-    "_halfprec.py": "3fa88f180cff49fe",
-    "_jit.py": "b1940bfba2475671",
-    "_launch.py": "46ef0ac6176e5d1c",
-    "_prefetch.py": "4919cebb64fefdaf",
-    "_simd.py": "d8002995352def0a",
-    "_target.py": "03997255e397a5e2",
-    "_tiles.py": "84348cd636a988e0",
+    "halfprec.py": "f53894f44485c238",
+    "../_core/jit.py": "a6f517ee95725b3e",
+    "../_core/launch.py": "8ab1a4bbfaa39539",
+    "prefetch.py": "4919cebb64fefdaf",
+    "simd.py": "6e9373be71901506",
+    "target.py": "03997255e397a5e2",
+    "tiles.py": "f333676925716b80",
 }
 
 #: tokens per pass over D in _forward_grouped's common paths
@@ -241,7 +254,7 @@ def _forward_rows(x, wt, out, tiles, tile, stride, D, row):
     """``_forward_grouped`` one token per pass over D: faster for short token rows.
 
     Same arguments, same segments, same sums in the same order, so the same bits;
-    ``_dispatch`` picks it when N * D < GROUPED_MIN_ROW (on short rows the four-row
+    ``_ops.dispatch`` picks it when N * D < GROUPED_MIN_ROW (on short rows the four-row
     passes stall on loads, while one row at a time reads memory in order). The two
     kernels share their segment walk but not their inner passes: one kernel with the
     group size as an argument was slower on short rows (docs/performance.md,
@@ -328,14 +341,14 @@ def _park(ring, p, out, b, row, n, e0, acc, closes):
 @jit(inline="always")
 def _forward_simd(work, slot, x, w, out, tiles, stride, D, scratch):
     """``_forward_rows`` with the window sums in registers: faster on short rows
-    and on rows of up to ``_dispatch.SIMD_ROW_BYTES``.
+    and on rows of up to ``_ops.dispatch.SIMD_ROW_BYTES``.
 
     Same arguments, same segments, same sums in the same order, so the same bits.
     Each segment of tokens is read in passes, one per head and per WIDTH elements of
-    D: the sums of the (at most two) open windows stay in ``_simd`` vectors over the
+    D: the sums of the (at most two) open windows stay in ``_kernels.simd`` vectors over the
     segment's tokens and visit the ring once per segment, not once per token.
-    ``_dispatch`` picks it only where it applies (``_dispatch.simd_fits``): l <= 2d,
-    D a multiple of WIDTH, C-contiguous rows in a dtype of ``_simd.STORAGE``.
+    ``_ops.dispatch`` picks it only where it applies (``_ops.dispatch.simd_fits``): l <= 2d,
+    D a multiple of WIDTH, C-contiguous rows in a dtype of ``_kernels.simd.STORAGE``.
 
     A pass reads WIDTH elements of every token row at the row stride, which the
     hardware prefetchers follow badly. So while it reads one segment, the kernel asks
@@ -470,7 +483,7 @@ def _pair_tokens(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, sb, sc, 
 
     ``gring`` and ``lanes`` are views of ``mine``, the ring at its start and the
     lanes ``lanes_at`` elements on. ``_pair_tokens_vector`` runs the same sums in
-    ``_simd`` vectors: same operations in the same order, same bits.
+    ``_kernels.simd`` vectors: same operations in the same order, same bits.
     """
     zero = lanes.dtype.type(0)
     jb = ja - stride
@@ -494,7 +507,7 @@ def _pair_tokens_vector(x, wt, ig, gring, lanes, mine, lanes_at, b, t, ja, sa, s
                         D):
     """``_pair_tokens`` over ``SHORT_WIDTH`` elements at a time of ``mine`` (not through
     its views ``gring`` and ``lanes``); D a multiple of SHORT_WIDTH, ``x`` and ``ig`` of
-    one storage dtype that ``_simd`` converts."""
+    one storage dtype that ``_kernels.simd`` converts."""
     N = wt.shape[0]
     jb = ja - stride
     u = t + stride
@@ -551,7 +564,7 @@ def _backward_with(pair_tokens, name):
         open. This is tile ``tile``; ``mine`` is the calling thread's scratch row
         (``backward_scratch_elements``).
         The pairs go through ``pair_tokens``: ``_pair_tokens``, or in
-        ``compress_backward_simd`` ``_pair_tokens_vector`` (``_dispatch.backward_vector``
+        ``compress_backward_simd`` ``_pair_tokens_vector`` (``_ops.dispatch.backward_vector``
         says when it can).
         """
         N = wt.shape[0]
@@ -647,7 +660,7 @@ def reduce_weight_grad(partials, wg):
 
 # -- the training kernels ----------------------------------------------------------
 # What the dispatcher launches: one compiled function per kernel, which both a
-# first call and a prepared call that comes again (``_dispatch.Prepared``) run, so
+# first call and a prepared call that comes again (``_ops.dispatch.Prepared``) run, so
 # each compiles once per dtype and layout. A first call passes the caller's arrays
 # in their storage dtype and own shape where they are C-contiguous (as a prepared
 # call always does), else ``[B, S, N, D]`` storage views; ``dims`` holds the
@@ -744,7 +757,7 @@ def _backward_views(g, x, w, ig, dims):
 def compress_backward(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, stride, D,
                       check):
     """Both gradients' tiles (``_backward_tile``), the weight gradient's partial sums
-    in ``partials``; with ``slot`` FINISH (``_launch.finish``, after every tile),
+    in ``partials``; with ``slot`` FINISH (``_core.launch.finish``, after every tile),
     ``reduce_weight_grad`` (see above)."""
     if slot == FINISH:
         reduce_weight_grad(partials, wg)
@@ -762,7 +775,7 @@ def compress_backward(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, 
 @jit
 def compress_backward_simd(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, stride,
                            D, check):
-    """``compress_backward`` with the token pairs in ``_simd`` vectors."""
+    """``compress_backward`` with the token pairs in ``_kernels.simd`` vectors."""
     if slot == FINISH:
         reduce_weight_grad(partials, wg)
         return True
@@ -815,7 +828,7 @@ def _infer_writer(x, wt, cache, slots, source, D, i, row):
 def compress_infer(work, slot, x, w, cache, slots, source, D, scratch):
     """cache[0, slots[i], n] = sum_j wt[n, j] * x[page, row, n] over the (page, row) pairs
     ``source[i, j]`` of writer i's window, j in order: the with-cache operator
-    (``_infer``). A unit is one writer, all heads: it reads its window's token rows
+    (``_ops.infer``). A unit is one writer, all heads: it reads its window's token rows
     in full, GROUP at a time, into ``[N, D]`` sums in its thread's scratch row,
     starting from +0 as the training forward's do and adding one token at a time in
     window order, so a window gives the same bits here as there.

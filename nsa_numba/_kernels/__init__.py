@@ -1,0 +1,1 @@
+"""The compiled kernels and the helpers they inline."""
