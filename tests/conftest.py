@@ -11,25 +11,26 @@ from nsa_numba import reference as ref
 from nsa_numba._core.jit import BOUNDSCHECK
 
 
-#: the two halves of the kernels compiled side by side, of about equal compile time
-WARMUP_PARTS = ('("forward", "decoding", "attention")', '("backward",)')
+#: the two halves of the kernels compiled side by side, of about equal compile time:
+#: two dtypes each (attention is most of a dtype's compile)
+WARMUP_PARTS = ('("bf16", "fp16")', '("fp32", "fp64")')
 
 
 def pytest_configure(config):
     """Before pytest-xdist starts its workers, compile the kernels into the disk cache
     (``nsa_numba.warmup``, strided views included), in two processes that share out
-    the kernels (WARMUP_PARTS), so both cores compile and each kernel compiles once: otherwise every
-    worker compiles the same kernels for itself on a fresh clone. (Not in a worker,
-    nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
+    the dtypes (WARMUP_PARTS), so both cores compile and each kernel compiles once:
+    otherwise every worker compiles the same kernels for itself on a fresh clone. (Not
+    in a worker, nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
     workers = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or BOUNDSCHECK or not workers:
         return
     env = dict(os.environ, NSA_NUMBA_QUIET="1")
     procs = [subprocess.Popen(
         [sys.executable, "-c", "import io, nsa_numba._warmup as f; "
-                               f"f.warmup(ops={ops}, strided=True, out=io.StringIO())"],
+                               f"f.warmup(dtypes={dtypes}, strided=True, out=io.StringIO())"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for ops in WARMUP_PARTS]
+        for dtypes in WARMUP_PARTS]
     for proc in procs:
         _, err = proc.communicate()
         if proc.returncode:

@@ -59,7 +59,9 @@ def tnd_results(x4, w, g4):
 
 
 @pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH", "SBH"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", [pytest.param(t, marks=() if t.name == "bfloat16"
+                                                else pytest.mark.slow) for t in DTYPES],
+                         ids=DTYPE_IDS)      # bfloat16 by default, the others in the slow run
 def test_layout_equals_tnd(layout, dtype):
     x4, w, g4 = data(dtype)
     out4, dx4, dw = tnd_results(x4, w, g4)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import nsa_numba
-from conftest import random_problem
+from conftest import DTYPE_IDS, DTYPES, random_problem
 
 L, S = 32, 16
 SEQ = [0, 100, 260]
@@ -13,6 +13,15 @@ SEQ = [0, 100, 260]
 def _same_bits(a, b):
     return a.shape == b.shape and np.array_equal(a.view(f"u{a.itemsize}"),
                                                  b.view(f"u{b.itemsize}"))
+
+
+#: the default run checks views in a 2-byte and a 4-byte dtype (the word reads differ
+#: by element size); float16 and float64 are in the slow run CI makes
+@pytest.fixture(params=[pytest.param(t, marks=() if t.name in ("bfloat16", "float32")
+                                     else pytest.mark.slow) for t in DTYPES],
+                ids=DTYPE_IDS)
+def dtype(request):
+    return request.param
 
 
 def _contiguous_results(dtype):
