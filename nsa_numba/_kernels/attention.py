@@ -33,7 +33,7 @@ visible range meets (``dense_ranges``); compressed attention's forward
 All products go through :func:`_mm`, one register tile whose per-element sum runs
 over its depth in order with fused multiply-adds (``_kernels.lanes``); float64 problems take
 its scalar form (the same order). Scratch comes from the workspace, one slot per
-thread, indexed by Numba's thread id; nothing in a slot reaches a result except
+thread of the launch (``slot``, ``_core.launch``); nothing in a slot reaches a result except
 through those fixed-order sums.
 """
 

@@ -12,7 +12,7 @@ its own extent (``_ops.layouts.c_carrier``), of which the kernels index only
 kernels at the end of the file also take C-contiguous arrays of other shapes, which
 they reshape to those views themselves.)
 
-Each parallel kernel loops over tiles; a unit is one tile with all its heads, so
+Each kernel takes tiles (``_core.launch.claim``); a unit is one tile with all its heads, so
 it reads its block of ``[T, N, D]`` in memory order (per-head rows at a stride of
 N*D elements run at a fraction of the memory bandwidth). A unit writes only the
 output rows its tile owns and its own slot of the partials. All sums run in an

@@ -15,7 +15,7 @@ Tiles
 Sequences are the packed ones of TND or the batch rows of a padded layout (all
 viewed as ``[B, S, N, D]``, see ``_ops.layouts``). Windows of each sequence are cut into
 runs of ``W`` windows (``windows_per_tile``). A tile is one run, all heads; the
-parallel kernels run one tile per iteration.
+kernels take one tile at a time (``_core.launch``).
 ``W`` depends on the problem only, never on the thread count, which is what makes
 the weight-gradient reduction (serial over tiles, in tile order) deterministic.
 

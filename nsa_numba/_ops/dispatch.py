@@ -234,8 +234,8 @@ def recipe(plan, views):
 
 def launch(recipe, arrays, scratch, threads=None):
     """Run a training recipe: ``arrays`` what its kernel takes (``recipe``), ``scratch``
-    its (partials, rows), on at most ``threads`` threads (None: Numba's count for the
-    calling thread)."""
+    its (partials, rows), on at most ``threads`` threads (None: the calling
+    thread's count, ``_core.launch.count``)."""
     useful = recipe.useful if threads is None else min(threads, recipe.useful)
     partials, rows = scratch
     if recipe.op == "forward":
@@ -253,7 +253,7 @@ def run_compress(plan, workspace=None, threads=None):
 
     ``workspace``: a writable, C-contiguous uint8 array of at least
     ``plan.workspace_bytes`` (None: this thread's kept scratch, ``thread_scratch``).
-    ``threads``: at most this many threads (None: Numba's count for the calling
+    ``threads``: at most this many threads (None: the count of the calling
     thread).
     """
     chosen, arrays = recipe(plan, storage_views(plan, workspace))

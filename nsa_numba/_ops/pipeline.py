@@ -102,7 +102,7 @@ def call(operator, rules, args, threads=None, known=True):
     """Run ``operator`` on ``args`` checked by ``rules`` and return its results:
     through a prepared call when the call's signature has one, else the full path
     (and prepared for next time). ``threads``: at most this many threads (None:
-    Numba's count for the calling thread). ``known``: whether ``rules`` lives as long
+    the calling thread's count). ``known``: whether ``rules`` lives as long
     as the process (signatures name it by its id)."""
     signature = operator.signature(rules, *args) if known and operator.signature else None
     kept = _prepared._items.get(signature)     # _prepared.get, without the method call
