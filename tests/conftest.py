@@ -12,17 +12,13 @@ from nsa_numba._core.jit import BOUNDSCHECK
 
 
 #: the two halves of the kernels compiled side by side, of about equal compile time:
-#: two dtypes each (attention is most of a dtype's compile), the strided views in the
-#: dtypes the default run's stride tests use
-WARMUP_PARTS = ("f.warmup(dtypes=('bf16',), strided=True, out=io.StringIO()); "
-                "f.warmup(dtypes=('fp16',), out=io.StringIO())",
-                "f.warmup(dtypes=('fp32',), strided=True, out=io.StringIO()); "
-                "f.warmup(dtypes=('fp64',), out=io.StringIO())")
+#: two dtypes each (attention is most of a dtype's compile)
+WARMUP_PARTS = ('("bf16", "fp16")', '("fp32", "fp64")')
 
 
 def pytest_configure(config):
     """Before pytest-xdist starts its workers, compile the kernels into the disk cache
-    (``nsa_numba.warmup``, strided views of two dtypes included), in two processes that share out
+    (``nsa_numba.warmup``, strided views included), in two processes that share out
     the dtypes (WARMUP_PARTS), so both cores compile and each kernel compiles once:
     otherwise every worker compiles the same kernels for itself on a fresh clone. (Not
     in a worker, nor with NSA_NUMBA_BOUNDSCHECK, which has no cache.)"""
@@ -31,9 +27,10 @@ def pytest_configure(config):
         return
     env = dict(os.environ, NSA_NUMBA_QUIET="1")
     procs = [subprocess.Popen(
-        [sys.executable, "-c", "import io, nsa_numba._warmup as f; " + part],
+        [sys.executable, "-c", "import io, nsa_numba._warmup as f; "
+                               f"f.warmup(dtypes={dtypes}, strided=True, out=io.StringIO())"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for part in WARMUP_PARTS]
+        for dtypes in WARMUP_PARTS]
     for proc in procs:
         _, err = proc.communicate()
         if proc.returncode:
