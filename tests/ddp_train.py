@@ -79,10 +79,10 @@ def record_launch_threads():
         seen.append([None, prepared.useful])
         return run_kept(prepared, threads, *views)
 
-    def recording_run(kernel, threads, chunk, *args):
+    def recording_run(kernel, threads, chunk, *args, **options):
         count = _launch.count()
         seen[-1][0] = count if threads is None else min(threads, count)
-        return run(kernel, threads, chunk, *args)
+        return run(kernel, threads, chunk, *args, **options)
 
     _dispatch.launch, _dispatch.run_prepared = recording_recipe, recording_kept
     _launch.run = recording_run

@@ -77,9 +77,9 @@ def test_threads_caps_the_calls_in_its_block(monkeypatch):
     seen = []                   # the threads each launch could use
     real_run = _launch.run
 
-    def recording_run(kernel, threads, chunk, *args):
+    def recording_run(kernel, threads, chunk, *args, **options):
         seen.append(_launch.count() if threads is None else min(threads, _launch.count()))
-        return real_run(kernel, threads, chunk, *args)
+        return real_run(kernel, threads, chunk, *args, **options)
 
     monkeypatch.setattr(_launch, "run", recording_run)
     data = random_problem(**PROBLEM, dtype=DTYPES[0])

@@ -56,9 +56,7 @@ def _launch(kernel, plan, scratch, partials=None):
     dims = np.array([v.shape for v in views if v.ndim == 4], np.int64)
     extra = (scratch,) if partials is None else (partials, scratch)
     args = (*arrays, *extra, dims, plan.tiles, plan.stride, plan.D, False)
-    assert launcher.run(kernel, 1, 1, *args)
-    if partials is not None:
-        launcher.finish(kernel, *args)
+    assert launcher.run(kernel, 1, 1, *args, closing=partials is not None)
     return views
 
 

@@ -237,8 +237,8 @@ def test_a_call_inside_a_call_gets_its_own_scratch(plans, monkeypatch):
     real = _launch.run
     inner = []
 
-    def launch_and_interrupt(kernel, threads, chunk, *args):
-        result = real(kernel, threads, chunk, *args)    # the outer backward's partials written
+    def launch_and_interrupt(kernel, threads, chunk, *args, **options):
+        result = real(kernel, threads, chunk, *args, **options)   # the outer partials written
         if not inner:
             inner.append(None)
             inner[0] = nsa_numba.nsa_compress_grad(g[::-1].copy(), x, w, L, S,

@@ -208,16 +208,11 @@ def helpers_started():
     return _started
 
 
-#: the ``slot`` of :func:`finish`
+#: the ``slot`` of a kernel's closing call (:func:`run` with ``closing``)
 FINISH = -1
-_NO_WORK = np.zeros(2, np.int64)
-
-
-def finish(kernel, *args):
-    """``kernel(work, FINISH, *args)`` on the calling thread: a kernel's closing step
-    (a fixed-order sum of the units' partial results) once every unit is done, in
-    the same compiled function (no second compile)."""
-    return kernel(_NO_WORK, FINISH, *args)
+#: ``work[2]`` when the caller runs every unit itself: it may close in the same call
+ALONE = 1
+_NO_WORK = np.zeros(3, np.int64)
 
 
 def any_layout(kernel, threads, chunk, *args):
@@ -250,15 +245,21 @@ def _any_layout(t):
     return t
 
 
-def run(kernel, threads, chunk, *args):
+def run(kernel, threads, chunk, *args, closing=False):
     """``kernel(work, slot, *args)`` on the calling thread and up to ``threads - 1``
     helpers (``threads`` None: :func:`count`; always capped by it), each taking
-    ``chunk`` units at a time; returns the caller's result."""
+    ``chunk`` units at a time; returns the caller's result.
+
+    ``closing``: the kernel has a closing step (a fixed-order sum of its units'
+    partial results), which runs once every unit is done, in the same compiled
+    function (no second compile): at the end of the caller's own call when it ran
+    alone (``work[2] == ALONE``), else in a call with slot FINISH after the helpers are
+    done, unless the caller's result was False (the kernel refused its arrays)."""
     n = count() if threads is None else min(threads, count())
-    work = np.array([0, chunk], np.int64)
     inboxes = _take(n - 1) if n > 1 else ()
     if not inboxes:
-        return kernel(work, 0, *args)
+        return kernel(np.array([0, chunk, ALONE], np.int64), 0, *args)
+    work = np.array([0, chunk, 0], np.int64)
     job = _Job(kernel, work, args)
     for slot, inbox in enumerate(inboxes, 1):
         inbox.put((job, slot))
@@ -272,4 +273,6 @@ def run(kernel, threads, chunk, *args):
     error, job.args = job.error, None
     if error is not None:
         raise error
+    if closing and result is not False:
+        kernel(_NO_WORK, FINISH, *args)
     return result

@@ -38,7 +38,7 @@ from numba import types
 from numba.extending import overload
 
 from .._core.jit import OVERLOAD_OPTIONS, jit
-from .._core.launch import FINISH, claim, next_unit
+from .._core.launch import ALONE, FINISH, claim, next_unit
 from .halfprec import narrow, widen
 from .prefetch import AHEAD_BYTES, LINE_BYTES, prefetch_row
 from .simd import (
@@ -65,7 +65,7 @@ from .tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 CACHE_DEPENDS = {
     "halfprec.py": "f53894f44485c238",
     "../_core/jit.py": "a6f517ee95725b3e",
-    "../_core/launch.py": "8ab1a4bbfaa39539",
+    "../_core/launch.py": "9d625409517e52e5",
     "prefetch.py": "4919cebb64fefdaf",
     "simd.py": "6e9373be71901506",
     "target.py": "03997255e397a5e2",
@@ -757,8 +757,9 @@ def _backward_views(g, x, w, ig, dims):
 def compress_backward(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, stride, D,
                       check):
     """Both gradients' tiles (``_backward_tile``), the weight gradient's partial sums
-    in ``partials``; with ``slot`` FINISH (``_core.launch.finish``, after every tile),
-    ``reduce_weight_grad`` (see above)."""
+    in ``partials``, then ``reduce_weight_grad`` (see above): at the end of the call
+    that ran every tile (``work[2] == ALONE``), else in a call of its own with ``slot``
+    FINISH once the launch's threads are done (``_core.launch.run``)."""
     if slot == FINISH:
         reduce_weight_grad(partials, wg)
         return True
@@ -769,6 +770,8 @@ def compress_backward(work, slot, g, x, w, ig, wg, partials, rows, dims, tiles, 
     while unit < end:
         _backward_tile(g4, x4, wt, ig4, partials, tiles, unit, stride, D, rows[slot])
         unit, end = next_unit(work, unit, end, tiles.shape[0])
+    if work[2] == ALONE:
+        reduce_weight_grad(partials, wg)
     return True
 
 
@@ -786,6 +789,8 @@ def compress_backward_simd(work, slot, g, x, w, ig, wg, partials, rows, dims, ti
     while unit < end:
         _backward_tile_simd(g4, x4, wt, ig4, partials, tiles, unit, stride, D, rows[slot])
         unit, end = next_unit(work, unit, end, tiles.shape[0])
+    if work[2] == ALONE:
+        reduce_weight_grad(partials, wg)
     return True
 
 

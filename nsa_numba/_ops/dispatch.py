@@ -243,8 +243,7 @@ def launch(recipe, arrays, scratch, threads=None):
                     recipe.stride, recipe.D, False)
         return
     rest = (partials, rows, recipe.dims, recipe.tiles, recipe.stride, recipe.D, False)
-    _launch.run(recipe.kernel, useful, 1, *arrays, *rest)
-    _launch.finish(recipe.kernel, *arrays, *rest)
+    _launch.run(recipe.kernel, useful, 1, *arrays, *rest, closing=True)
 
 
 def run_compress(plan, workspace=None, threads=None):
@@ -332,11 +331,8 @@ def run_prepared(prepared, threads, *views):
     was, state.busy = state.busy, True
     try:
         useful = prepared.useful if threads is None else min(threads, prepared.useful)
-        if not _launch.run(prepared.kernel, useful, 1, *views, *scratch, *prepared.constants):
-            return False
-        if prepared.op == "grad":
-            _launch.finish(prepared.kernel, *views, *scratch, *prepared.constants)
-        return True
+        return _launch.run(prepared.kernel, useful, 1, *views, *scratch, *prepared.constants,
+                           closing=prepared.op == "grad")
     finally:
         state.busy = was
 
