@@ -80,10 +80,14 @@ def next_unit(work, unit, end, total):
 
 # -- the threads -------------------------------------------------------------------
 
+#: ``NUMBA_NUM_THREADS``, read once (Numba fixes it at its start)
+_CEILING = int(numba.config.NUMBA_NUM_THREADS)
+
+
 def ceiling():
     """Threads a launch may use at most, helpers included: ``NUMBA_NUM_THREADS`` (the
     core count unless set before import); the scratch has one row per thread."""
-    return int(numba.config.NUMBA_NUM_THREADS)
+    return _CEILING
 
 
 _local = threading.local()
@@ -91,7 +95,7 @@ _local = threading.local()
 
 def count():
     """The calling thread's thread count (:class:`threads`), else :func:`ceiling`."""
-    return getattr(_local, "n", 0) or ceiling()
+    return getattr(_local, "n", 0) or _CEILING
 
 
 def set_count(n):
