@@ -1,9 +1,10 @@
 """Kernel launches on the library's own threads.
 
 Every kernel is a serial, ``nogil`` compiled function whose first two arguments are
-``work`` (an int64 pair: the next unit to hand out, and how many units a thread takes
-at a time) and ``slot`` (which row of the per-thread scratch the caller owns). It
-takes units with :func:`claim` and :func:`next_unit` until none remain::
+``work`` (three int64: the next unit to hand out, how many units a thread takes at a
+time, and ALONE when the caller runs every unit itself) and ``slot`` (which row of
+the per-thread scratch the caller owns). It takes units with :func:`claim` and
+:func:`next_unit` until none remain::
 
     unit, end = claim(work, total)
     while unit < end:

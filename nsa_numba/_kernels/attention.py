@@ -72,7 +72,7 @@ from .lanes import (
 CACHE_DEPENDS = {
     "halfprec.py": "f53894f44485c238",
     "../_core/jit.py": "a6f517ee95725b3e",
-    "../_core/launch.py": "0dcc0a3eda7811ca",
+    "../_core/launch.py": "21843c4d967f4840",
     "lanes.py": "f4a057aad7d37f0a",
     "target.py": "03997255e397a5e2",
 }

@@ -65,7 +65,7 @@ from .tiles import BATCH, G0, G1, I0, I1, KW0, S0, TOK_HI, TOK_LO, ring_slots
 CACHE_DEPENDS = {
     "halfprec.py": "f53894f44485c238",
     "../_core/jit.py": "a6f517ee95725b3e",
-    "../_core/launch.py": "0dcc0a3eda7811ca",
+    "../_core/launch.py": "21843c4d967f4840",
     "prefetch.py": "4919cebb64fefdaf",
     "simd.py": "6e9373be71901506",
     "target.py": "03997255e397a5e2",
