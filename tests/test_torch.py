@@ -324,7 +324,7 @@ class _Compressed(torch.utils.data.Dataset):
 
 
 def test_dataloader_workers_call_the_operator():
-    # workers are forked after this process has run kernels (see _threading)
+    # workers are forked after this process has run kernels (see _core.launch)
     npu_nsa_compress(*tensors(torch.float16)[:2], 32, 16)
     loader = torch.utils.data.DataLoader(_Compressed(), batch_size=2, num_workers=2)
     got = torch.cat(list(loader))
