@@ -18,16 +18,13 @@ from . import seqlens as _seqlens
 #: by its dtype's name and size.
 FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = "float16", "bfloat16", "float32", "float64"
 
-
-#: the dtype arrays of each kind are viewed as inside the kernels (see _halfprec)
+#: the dtype arrays of each kind are viewed as inside the kernels (see ``_kernels.halfprec``)
 STORAGE = {FLOAT16: np.dtype(np.uint16), BFLOAT16: np.dtype(np.int16),
            FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
-
 
 #: accumulation dtype: float32, except float64 problems
 ACCUMULATOR = {FLOAT16: np.dtype(np.float32), BFLOAT16: np.dtype(np.float32),
                FLOAT32: np.dtype(np.float32), FLOAT64: np.dtype(np.float64)}
-
 
 #: a run starts its scratch at this byte boundary of the workspace it is given: the
 #: kernels' vector stores to the scratch then never straddle a cache line (NumPy
