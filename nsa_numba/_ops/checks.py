@@ -98,10 +98,11 @@ def check_array(rules, key, a, ndim, dims):
     return a
 
 
-def check_same_dtype(rules, dtype, key, a):
+def check_same_dtype(rules, key, a, like_key, dtype):
+    """``a`` (parameter ``key``) has ``dtype``, that of parameter ``like_key``."""
     if a.dtype != dtype:
         raise invalid(rules.op, f"{rules.names[key]} dtype must equal "
-                                f"{rules.names['input']} dtype {dtype}, got {a.dtype}")
+                                f"{rules.names[like_key]} dtype {dtype}, got {a.dtype}")
 
 
 def check_output(rules, key, a, shape, dtype, dims):
@@ -113,7 +114,7 @@ def check_output(rules, key, a, shape, dtype, dims):
     name = rules.names[key]
     if a.shape != tuple(shape):
         raise invalid(rules.op, f"{name} must have shape {tuple(shape)}, got {a.shape}")
-    check_same_dtype(rules, dtype, key, a)
+    check_same_dtype(rules, key, a, "input", dtype)
     if not a.flags.writeable:
         raise invalid(rules.op, f"{name} must be writable, got a read-only array")
     return a

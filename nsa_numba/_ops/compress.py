@@ -259,7 +259,7 @@ def _check_input_and_weight(rules, layout, x, weight, block):
     """(x, weight, (B, S, N, D))."""
     x = check_array(rules, "input", x, layout.ndim, _dims(rules, layout))
     weight = check_array(rules, "weight", weight, 2, f"[{rules.names['block']}, N]")
-    check_same_dtype(rules, x.dtype, "weight", weight)
+    check_same_dtype(rules, "weight", weight, "input", x.dtype)
     xname, wname = rules.names["input"], rules.names["weight"]
     heads = weight.shape[1]
     if layout.name in ("BSH", "SBH"):
@@ -483,7 +483,7 @@ def plan_grad(rules, grad, x, weight, block, stride, actual_seq_len, seq_type, l
     layout = _check_layout(rules, layout)
     x, weight, (B, S, N, D) = _check_input_and_weight(rules, layout, x, weight, block)
     grad = check_array(rules, "grad", grad, layout.ndim, _window_dims(rules, layout))
-    check_same_dtype(rules, x.dtype, "grad", grad)
+    check_same_dtype(rules, "grad", grad, "input", x.dtype)
     seq_type = _check_seq_type(rules, seq_type)
     seqs, tiles = _tables(rules, "grad", layout, B, S, block, stride, N, D, actual_seq_len,
                           seq_type)

@@ -51,6 +51,7 @@ from .checks import (
     check_array,
     check_int,
     check_no_overlap,
+    check_same_dtype,
     kind_of,
     round16,
     scratch_slots,
@@ -214,12 +215,6 @@ def _scale(rules, value):
 
 def _array(rules, key, a, dims):
     return check_array(rules, key, a, 3, dims)
-
-
-def _same_dtype(rules, key, a, like_key, dtype):
-    if a.dtype != dtype:
-        raise invalid(rules.op, f"{rules.names[key]} dtype must equal "
-                                f"{rules.names[like_key]} dtype {dtype}, got {a.dtype}")
 
 
 def _topk(rules, topk, shape):
@@ -393,8 +388,8 @@ def check_heads(rules, query, key, value, head_num, keys):
     query = _array(rules, "query", query, "[T1, N1, D]")
     key = _array(rules, "key", key, f"[{keys}, N2, D]")
     value = _array(rules, "value", value, f"[{keys}, N2, Dv]")
-    _same_dtype(rules, "key", key, "query", query.dtype)
-    _same_dtype(rules, "value", value, "query", query.dtype)
+    check_same_dtype(rules, "key", key, "query", query.dtype)
+    check_same_dtype(rules, "value", value, "query", query.dtype)
     head_num = check_int(rules, "head_num", head_num)
     T1, N1, D = query.shape
     T2, N2, Dk = key.shape
@@ -464,7 +459,7 @@ def check_saved(rules, arrays, grad, attention_out, softmax_max, softmax_sum, sh
             raise missing(op, names[k])
     for k, a in (("grad", grad), ("attention_out", attention_out)):
         a = _array(rules, k, a, "[T1, N1, Dv]")
-        _same_dtype(rules, k, a, "query", dtype)
+        check_same_dtype(rules, k, a, "query", dtype)
         if a.shape != shape:
             raise invalid(op, f"{names[k]} must have shape [T1, N1, Dv] = {shape}, got "
                               f"{a.shape}")
